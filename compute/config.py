@@ -1,0 +1,140 @@
+"""Configuration records: one frozen dataclass per concern, validated once.
+
+CLI flags and HEADRACE_* environment variables map onto these in one place
+(services/cli.py); nothing else reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder; filled by a loader, read by the model."""
+
+    name: str  # human-readable model name, reported by GetModelInfo
+    architecture: str  # e.g. "llama", "qwen2", "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA when < num_heads)
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096  # the model's trained context length
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2-style biases on q/k/v projections
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for field_name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            if getattr(self, field_name) <= 0:
+                raise ValueError(f"{field_name} must be positive, got {getattr(self, field_name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # explicit block count; None = derive from memory
+    memory_gib: float = 2.0  # KV memory budget when num_blocks is None
+    enable_prefix_caching: bool = True  # share full blocks of identical prefixes
+    swap_space_gib: float = 1.0  # host memory for swapped-out blocks (preemption_mode=swap)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.memory_gib <= 0:
+            raise ValueError(f"memory_gib must be positive, got {self.memory_gib}")
+        if self.swap_space_gib < 0:
+            raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling policy."""
+
+    max_num_seqs: int = 64  # cap on sequences running in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
+    max_model_len: int | None = None  # prompt + output cap; None = the model's context
+    preemption_mode: str = "recompute"  # "recompute" or "swap" when blocks run out
+    # At most this many consecutive steps may run prefill chunks while decodes wait
+    # for their share of the budget; 0 = no limit (decodes always go first anyway).
+    prefill_interval: int = 0
+    policy: str = "fcfs"  # "fcfs" or "priority" (lower priority value runs first)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if self.prefill_interval < 0:
+            raise ValueError(f"prefill_interval must be >= 0, got {self.prefill_interval}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where and in what precision the model runs."""
+
+    device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda", "cuda:N"
+    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on GPU), "float32", "float16", "bfloat16"
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU only)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(
+                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
+            )
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, grouped by concern."""
+
+    model: str = "default"  # "default", a .gguf path, an HF directory, or "dummy:<shape>"
+    seed: int = 0  # seed of the global generator (unseeded requests) and dummy weights
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    device: DeviceConfig = DeviceConfig()

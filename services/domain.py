@@ -1,0 +1,101 @@
+"""Domain records between the gRPC servicer and the pipeline (no protobuf here).
+
+The servicer converts protobuf -> these records, calls the pipeline, and
+converts the events it yields back to protobuf. Errors travel as
+``RequestError`` subclasses, mapped to status codes in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from compute.outputs import TokenLogprob
+from compute.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # "system", "user", "assistant" (validated against the template's roles)
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """Exactly one of prompt, token_ids, chat is set."""
+
+    request_id: str
+    prompt: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    chat: tuple[ChatMessage, ...] | None = None
+    add_generation_prompt: bool = True
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str  # new text since the last chunk: whole UTF-8, never part of a stop string
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    tokens: tuple[str, ...] = ()  # token strings for logprobs (same order as logprobs)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Timing:
+    queue_seconds: float  # arrival -> first scheduled
+    time_to_first_token_seconds: float
+    total_seconds: float
+
+
+@dataclass(frozen=True)
+class Complete:
+    finish_reason: str  # "stop" or "length" (aborts never reach a client)
+    matched_stop: str  # the stop string or "" (stop token ids are reported as "")
+    usage: Usage
+    timing: Timing
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    block_size: int
+    kv_cache_capacity_tokens: int
+
+
+class RequestError(Exception):
+    """A request failed; ``field`` names the offending request field, if any."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class InvalidArgument(RequestError):
+    code = "INVALID_ARGUMENT"
+
+
+class ResourceExhausted(RequestError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(RequestError):
+    code = "UNAVAILABLE"
+
+
+class EngineFault(RequestError):
+    code = "INTERNAL"
