@@ -1,0 +1,206 @@
+"""Sampler: one step's logits -> next token ids (and logprobs), on the model's device.
+
+The step loop calls ``Sampler.sample`` once per step with the logits of the sequences
+that sample, one row per sequence in schedule order. Per row: penalties, then either
+greedy argmax (temperature 0) or temperature -> top-k -> top-p -> min-p -> random draw.
+Every stage is batched over the rows with per-row parameter tensors, and a stage that
+no row asks for is skipped entirely (no sort without top-k/top-p, no log_softmax
+without logprobs, no count tensors without penalties).
+
+Conventions:
+
+- Penalties apply to greedy rows too (as in vLLM and HF ``generate``): temperature 0
+  means argmax of the penalized logits, ties broken by the lowest token id.
+- Logprobs are vLLM's "raw" logprobs: log_softmax of the model's logits as given,
+  before penalties, temperature and truncation.
+- Random draws use the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)``
+  i.i.d. per vocabulary entry samples exactly from ``probs``. A seeded request draws
+  its ``vocab_size`` exponentials per token from its own generator, so its tokens do not
+  depend on the other rows of the batch nor on its row position. Unseeded rows share
+  the sampler's generator in one batched draw.
+- Call ``forget`` when a request finishes or aborts, not when it is preempted: a
+  preempted request resumes its seeded stream where it stopped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compute.outputs import TokenLogprob
+from compute.penalties import Penalties
+from compute.sampling_params import SamplingParams
+from compute.sequence import Sequence
+
+# Below this the division overflows to inf (then NaN in softmax) for large logits;
+# at 1e-5 the distribution is already a point mass up to exact ties.
+_MIN_TEMPERATURE = 1e-5
+_TINY = torch.finfo(torch.float32).tiny
+
+
+class Sampler:
+    """Batched, device-side sampling with per-request generators for seeded requests."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size: must be >= 1 (got {vocab_size!r})")
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)  # the expected device; the logits' device rules
+        self.seed = seed
+        self._penalties = Penalties(vocab_size)
+        self._global_generators: dict[torch.device, torch.Generator] = {}
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Token ids and logprobs (None where not asked), one per row of ``logits``."""
+        self._check_logits(logits, seqs)
+        if not seqs:
+            return [], []
+        logits = logits.float()  # no copy when already float32
+        penalized = self._penalties.apply(logits, seqs)
+        tokens = self._choose(penalized, seqs)
+        logprobs = compute_logprobs(logits, tokens, [s.sampling_params for s in seqs])
+        return tokens.tolist(), logprobs
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's generator and cached prompt (finished or aborted)."""
+        self._request_generators.pop(request_id, None)
+        self._penalties.forget(request_id)
+
+    def _check_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        expected = (len(seqs), self.vocab_size)
+        if logits.dim() != 2 or tuple(logits.shape) != expected:
+            raise ValueError(f"logits: expected shape {expected}, got {tuple(logits.shape)}")
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        greedy = [i for i, s in enumerate(seqs) if s.sampling_params.greedy]
+        if len(greedy) == len(seqs):
+            return logits.argmax(dim=-1)
+        if not greedy:
+            return self._draw(logits, seqs)
+        randomized = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
+        greedy_index = _index(greedy, logits.device)
+        random_index = _index(randomized, logits.device)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        tokens[greedy_index] = logits[greedy_index].argmax(dim=-1)
+        tokens[random_index] = self._draw(logits[random_index], [seqs[i] for i in randomized])
+        return tokens
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One random token per row: temperature, truncation, then the exponential race."""
+        params = [s.sampling_params for s in seqs]
+        temperature = _column(params, "temperature", logits).clamp_min(_MIN_TEMPERATURE)
+        logits = truncate(logits / temperature.unsqueeze(1), params)
+        probs = torch.softmax(logits, dim=-1)
+        return probs.div_(self._exponentials(seqs, probs)).argmax(dim=-1)
+
+    def _exponentials(self, seqs: list[Sequence], like: torch.Tensor) -> torch.Tensor:
+        """Exp(1) noise shaped like ``like``; seeded rows from their own generators."""
+        noise = torch.empty_like(like)
+        seeded = [i for i, s in enumerate(seqs) if s.sampling_params.seed is not None]
+        unseeded = [i for i, s in enumerate(seqs) if s.sampling_params.seed is None]
+        if unseeded:
+            generator = self._global_generator(like.device)
+            if not seeded:
+                noise.exponential_(generator=generator)
+            else:
+                rows = torch.empty(
+                    (len(unseeded), like.shape[1]), dtype=like.dtype, device=like.device
+                )
+                noise[_index(unseeded, like.device)] = rows.exponential_(generator=generator)
+        for i in seeded:
+            # A fixed vocab_size draws per token keeps the stream independent of the batch.
+            noise[i].exponential_(generator=self._request_generator(seqs[i], like.device))
+        # An exact zero draw would make a masked token's 0/0 a NaN, which argmax prefers.
+        return noise.clamp_min_(_TINY)
+
+    def _global_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._global_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._global_generators[device] = generator
+        return generator
+
+    def _request_generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        generator = self._request_generators.get(seq.request_id)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(seq.sampling_params.seed)
+            self._request_generators[seq.request_id] = generator
+        return generator
+
+
+def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """top-k -> top-p -> min-p with per-row parameters; dropped tokens get -inf."""
+    vocab_size = logits.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_p = [p.top_p for p in params]
+    uses_top_k = any(k < vocab_size for k in top_k)
+    uses_top_p = any(p < 1.0 for p in top_p)
+    if uses_top_k or uses_top_p:
+        k = torch.tensor(top_k, dtype=torch.long, device=logits.device) if uses_top_k else None
+        p = _column(params, "top_p", logits) if uses_top_p else None
+        logits = apply_top_k_top_p(logits, k, p)
+    if any(p.min_p > 0.0 for p in params):
+        logits = apply_min_p(logits, _column(params, "min_p", logits))
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep each row's top-k tokens (ties at the k-th kept, as HF), then its top-p nucleus.
+
+    ``top_k`` holds values in [1, vocab] (vocab = off); ``top_p`` values in (0, 1] (1 = off).
+    """
+    # A stable sort makes the nucleus cut among tied logits independent of the batch.
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # 0 for the best token: always kept
+        # Rows with top_p == 1 are excluded outright: rounding can push the mass to 1.
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's best probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def compute_logprobs(
+    raw_logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+) -> list[TokenLogprob | None]:
+    """Raw-logit logprobs of the sampled tokens (+ top-N), only for rows that ask."""
+    rows = [i for i, p in enumerate(params) if p.wants_logprobs]
+    result: list[TokenLogprob | None] = [None] * len(params)
+    if not rows:
+        return result
+    index = _index(rows, raw_logits.device)
+    logprobs = torch.log_softmax(raw_logits.index_select(0, index), dim=-1)
+    chosen_ids = tokens.index_select(0, index).unsqueeze(1)
+    num_top = min(max(params[i].top_logprobs for i in rows), raw_logits.shape[1])
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # sorted, best first
+    # Two transfers for the whole batch: column 0 is the sampled token, then the top-N.
+    values = torch.cat((logprobs.gather(1, chosen_ids), top_values), dim=1).tolist()
+    ids = torch.cat((chosen_ids, top_ids), dim=1).tolist()
+    for row_values, row_ids, i in zip(values, ids, rows, strict=True):
+        n = params[i].top_logprobs
+        top = tuple(zip(row_ids[1 : n + 1], row_values[1 : n + 1], strict=True))
+        result[i] = TokenLogprob(token_id=row_ids[0], logprob=row_values[0], top=top)
+    return result
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _column(params: list[SamplingParams], field: str, like: torch.Tensor) -> torch.Tensor:
+    """One per-row parameter as a tensor of ``like``'s dtype and device."""
+    return torch.tensor([getattr(p, field) for p in params], dtype=like.dtype, device=like.device)
