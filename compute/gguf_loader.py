@@ -1,0 +1,192 @@
+"""GGUF loader: llama.cpp model files (the embedded default model is one) to HF-named weights.
+
+Metadata gives the ModelConfig and the tokenizer; each tensor is dequantized on its own with
+`gguf.quants.dequantize` (vectorised numpy, any quantization the package supports), renamed from
+llama.cpp's names to HF Llama names and cast to the requested dtype and device.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from compute.config import ModelConfig
+from compute.loader import LoadedModel, ModelLoadError, check_weights
+from compute.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# llama.cpp's converter permutes Q/K rows of these for its rotary layout (see _unpermute).
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Llama 3.1+ RoPE scaling factors; the model has no RoPE scaling, so they are skipped (warned).
+_IGNORED_TENSORS = ("rope_freqs.weight",)
+
+
+def load_gguf(
+    path: Path, dtype: torch.dtype, device: str | torch.device, progress: bool = True
+) -> LoadedModel:
+    """Read a GGUF file: config and tokenizer from its metadata, weights dequantized."""
+    reader = _open(path)
+    arch = _architecture(reader, path)
+    try:
+        tokenizer = Tokenizer.from_gguf(reader)
+    except Exception as err:  # tokenizers reports bad vocabularies as plain Exception
+        raise ModelLoadError(f"{path}: cannot build the tokenizer: {err}") from err
+    config = _config(reader, path, arch, tokenizer)
+    weights = _read_weights(reader, config, path, dtype, device, progress)
+    check_weights(weights, config, str(path))
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+
+
+def _open(path: Path) -> gguf.GGUFReader:
+    if path.stat().st_size == 0:
+        raise ModelLoadError(f"{path}: empty file, not a GGUF model")
+    try:
+        return gguf.GGUFReader(path)
+    # The reader fails on corrupt input with whatever numpy or struct raises, so take them all.
+    except Exception as err:
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file (corrupt or truncated?): {err}"
+        ) from err
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _architecture(reader: gguf.GGUFReader, path: Path) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {supported})")
+    return arch
+
+
+def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer) -> ModelConfig:
+    names = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
+    hidden = _required(reader, path, f"{arch}.embedding_length")
+    num_heads = _required(reader, path, f"{arch}.attention.head_count")
+    if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
+        logger.warning("%s: RoPE scaling metadata is ignored", path)
+    try:
+        return ModelConfig(
+            name=path.name.removesuffix(".gguf"),
+            architecture=arch,
+            vocab_size=int(names["token_embd.weight"].shape[1]),  # ggml order: [hidden, vocab]
+            hidden_size=hidden,
+            intermediate_size=_required(reader, path, f"{arch}.feed_forward_length"),
+            num_layers=_required(reader, path, f"{arch}.block_count"),
+            num_heads=num_heads,
+            num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", num_heads),
+            head_dim=_field(reader, f"{arch}.attention.key_length", hidden // num_heads),
+            rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=_f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=_field(reader, f"{arch}.context_length", 4096),
+            tie_word_embeddings="output.weight" not in names,
+            qkv_bias="blk.0.attn_q.bias" in names,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_ids=tokenizer.eos_token_ids,
+        )
+    except ValueError as err:
+        raise ModelLoadError(f"{path}: inconsistent metadata: {err}") from err
+
+
+def _required(reader: gguf.GGUFReader, path: Path, key: str) -> int:
+    value = _field(reader, key)
+    if value is None:
+        raise ModelLoadError(f"{path}: missing metadata key {key}")
+    return int(value)
+
+
+def _f32(value: float) -> float:
+    """GGUF stores floats as float32: 1e-5 reads back as 9.99999974e-06; keep the short form."""
+    return float(str(np.float32(value)))
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+
+
+def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's `permute`, which regroups each head's rows from HF's
+    rotate_half order (first half, second half) into llama.cpp's interleaved pairs."""
+    head_dim = weight.shape[0] // num_heads
+    rest = weight.shape[1:]
+    grouped = weight.reshape(num_heads, head_dim // 2, 2, *rest)
+    return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _dequantize(tensor: Any, path: Path) -> np.ndarray:
+    try:
+        # A plain ndarray view: numpy.memmap slicing overhead dominates dequantizing otherwise.
+        array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists dims innermost first
+        array = array.reshape(shape)
+    except (ValueError, NotImplementedError, TypeError) as err:
+        raise ModelLoadError(
+            f"{path}: cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {err}"
+        ) from err
+    # F32 tensors come back as read-only views of the memory-mapped file.
+    return array if array.flags.writeable else array.copy()
+
+
+def _read_weights(
+    reader: gguf.GGUFReader,
+    config: ModelConfig,
+    path: Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    progress: bool,
+) -> dict[str, torch.Tensor]:
+    permuted = config.architecture in _PERMUTED_ARCHITECTURES
+    weights: dict[str, torch.Tensor] = {}
+    bar = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress)
+    for tensor in bar:
+        name = _hf_name(tensor.name)
+        if name is None:
+            if tensor.name in _IGNORED_TENSORS:
+                logger.warning("%s: ignoring %s (RoPE scaling is not supported)", path, tensor.name)
+                continue
+            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name}")
+        weight = torch.from_numpy(_dequantize(tensor, path))
+        if permuted and ".q_proj." in name:
+            weight = _unpermute(weight, config.num_heads)
+        elif permuted and ".k_proj." in name:
+            weight = _unpermute(weight, config.num_kv_heads)
+        weights[name] = weight.to(device=device, dtype=dtype)
+    return weights

@@ -1,0 +1,184 @@
+"""Hugging Face checkpoint loader: `config.json` + safetensors (+ tokenizer) to HF-named weights.
+
+Only safetensors are read, single-file or sharded with `model.safetensors.index.json`; pickled
+checkpoints (`*.bin`, `*.pt`) are refused because unpickling runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from compute.config import ModelConfig
+from compute.loader import LoadedModel, ModelLoadError, check_weights
+from compute.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# model_type -> the CausalLM class transformers would build; both spellings are accepted.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+_INDEX_FILE = "model.safetensors.index.json"
+_PICKLE_GLOBS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed buffers some old exports saved
+
+
+def load_hf_dir(
+    path: Path, dtype: torch.dtype, device: str | torch.device, progress: bool = True
+) -> LoadedModel:
+    """Read a checkpoint directory: config, tokenizer and safetensors weights."""
+    raw = _read_json(path / "config.json")
+    files = _weight_files(path)  # first, so a pickle-only checkpoint is refused up front
+    tokenizer = _tokenizer(path)
+    config = _config(raw, path, tokenizer)
+    weights = _read_weights(files, config, dtype, device, progress)
+    check_weights(weights, config, str(path))
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError as err:
+        raise ModelLoadError(f"{file}: missing (not a Hugging Face checkpoint directory?)") from err
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"{file}: unreadable JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object")
+    return data
+
+
+def _tokenizer(path: Path) -> Tokenizer:
+    if not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{path / 'tokenizer.json'}: missing (a fast tokenizer is required)")
+    try:
+        return Tokenizer.from_hf_dir(path)
+    except Exception as err:  # tokenizers raises plain Exception for a bad tokenizer.json
+        raise ModelLoadError(f"{path}: cannot load the tokenizer: {err}") from err
+
+
+def _model_type(raw: dict[str, Any], path: Path) -> str:
+    model_type = raw.get("model_type")
+    if model_type is None:
+        by_class = {cls: kind for kind, cls in SUPPORTED_MODEL_TYPES.items()}
+        model_type = next(
+            (by_class[a] for a in raw.get("architectures", []) if a in by_class), None
+        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{path / 'config.json'}: unsupported architecture {model_type!r} "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ModelLoadError(f"{path / 'config.json'}: o_proj/MLP biases are not supported")
+    return model_type
+
+
+def _rope_theta(raw: dict[str, Any], path: Path) -> float:
+    # transformers 5 nests RoPE settings under rope_parameters; 4.x kept them at the top level.
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or params
+    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+        logger.warning("%s: RoPE scaling %r is ignored", path, scaling.get("rope_type"))
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _eos_ids(raw: dict[str, Any], path: Path, tokenizer: Tokenizer) -> tuple[int, ...]:
+    ids = _ids(raw.get("eos_token_id"))
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        ids += _ids(_read_json(generation).get("eos_token_id"))
+    ids += tokenizer.eos_token_ids
+    return tuple(dict.fromkeys(ids))  # de-duplicated, first mention first
+
+
+def _config(raw: dict[str, Any], path: Path, tokenizer: Tokenizer) -> ModelConfig:
+    model_type = _model_type(raw, path)
+    try:
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        bos = raw.get("bos_token_id", tokenizer.bos_token_id)
+        return ModelConfig(
+            name=path.name,
+            architecture=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rope_theta=_rope_theta(raw, path),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            bos_token_id=_ids(bos)[0] if _ids(bos) else None,
+            eos_token_ids=_eos_ids(raw, path, tokenizer),
+        )
+    except KeyError as err:
+        raise ModelLoadError(f"{path / 'config.json'}: missing key {err}") from err
+    except (TypeError, ValueError) as err:
+        raise ModelLoadError(f"{path / 'config.json'}: invalid value: {err}") from err
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / _INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: no weight_map")
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{missing[0]}: shard listed in {_INDEX_FILE} is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = [f.name for pattern in _PICKLE_GLOBS for f in path.glob(pattern)]
+    if pickled:
+        raise ModelLoadError(
+            f"{path}: only pickled weights ({', '.join(sorted(pickled))}); they are refused "
+            "because unpickling runs arbitrary code. Convert the checkpoint to safetensors."
+        )
+    raise ModelLoadError(f"{path}: no *.safetensors weight files")
+
+
+def _read_weights(
+    files: list[Path],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    progress: bool,
+) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    bar = tqdm(desc=f"loading {files[0].parent.name}", unit="tensor", disable=not progress)
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as shard:
+                for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if config.tie_word_embeddings and name == "lm_head.weight":
+                        continue  # tied checkpoints sometimes store the copy too
+                    weights[name] = shard.get_tensor(name).to(device=device, dtype=dtype)
+                    bar.update()
+        except (SafetensorError, OSError) as err:
+            raise ModelLoadError(f"{file}: unreadable safetensors file: {err}") from err
+    bar.close()
+    return weights

@@ -1,0 +1,118 @@
+"""Model loading: one entry point from a `--model` source to config, weights and tokenizer.
+
+`load_model` dispatches on the source ("default", a `.gguf` file, a Hugging Face checkpoint
+directory, or `dummy:<shape>`) to the loader for that format. Every loader returns weights under
+HF Llama names, in [out, in] layout, in the requested dtype and device, checked against the shapes
+the config implies, and raises ModelLoadError (naming the file) for anything it cannot load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from compute.config import ModelConfig
+from compute.tokenizer import Tokenizer
+
+DUMMY_PREFIX = "dummy:"
+# Loading these runs arbitrary code (pickle), so they are refused outright.
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class ModelLoadError(ValueError):
+    """A model source that cannot be loaded: missing, corrupt, unsupported or inconsistent."""
+
+
+@dataclass
+class LoadedModel:
+    """What a loader hands the model runner."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF Llama names; lm_head.weight absent when tied
+    tokenizer: Tokenizer | None  # None for dummy weights
+    source: str  # resolved path, or "dummy:<shape>"
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight a Llama-family model of this config needs, with its shape."""
+    hidden, ffn = config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    projections = {
+        "self_attn.q_proj": (config.q_size, hidden),
+        "self_attn.k_proj": (config.kv_size, hidden),
+        "self_attn.v_proj": (config.kv_size, hidden),
+        "self_attn.o_proj": (hidden, config.q_size),
+        "mlp.gate_proj": (ffn, hidden),
+        "mlp.up_proj": (ffn, hidden),
+        "mlp.down_proj": (hidden, ffn),
+    }
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        shapes[prefix + "input_layernorm.weight"] = (hidden,)
+        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+        for name, shape in projections.items():
+            shapes[f"{prefix}{name}.weight"] = shape
+        if config.qkv_bias:
+            shapes[prefix + "self_attn.q_proj.bias"] = (config.q_size,)
+            shapes[prefix + "self_attn.k_proj.bias"] = (config.kv_size,)
+            shapes[prefix + "self_attn.v_proj.bias"] = (config.kv_size,)
+    return shapes
+
+
+def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
+    """Raise ModelLoadError unless `weights` holds exactly the expected tensors and shapes."""
+    expected = expected_shapes(config)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ModelLoadError(f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise ModelLoadError(f"{source}: unexpected tensor(s) {', '.join(unexpected[:3])}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(
+                f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}"
+            )
+
+
+def load_model(
+    source: str = "default",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load `source`: "default", a `.gguf` file, an HF directory, or `dummy:<shape>`."""
+    # Format loaders are imported here: they import this module for ModelLoadError.
+    if source.startswith(DUMMY_PREFIX):
+        from compute.dummy_weights import load_dummy
+
+        return load_dummy(source[len(DUMMY_PREFIX) :], dtype=dtype, device=device, seed=seed)
+    if source == "default":
+        from compute.default_model import default_model_path
+
+        path = default_model_path()
+    else:
+        path = Path(source).expanduser()
+    if path.is_dir():
+        from compute.hf_loader import load_hf_dir
+
+        return load_hf_dir(path, dtype=dtype, device=device, progress=progress)
+    if path.is_file() and path.suffix in _PICKLE_SUFFIXES:
+        raise ModelLoadError(f"{path}: pickled checkpoints are refused (unsafe); use safetensors")
+    if path.is_file():
+        from compute.gguf_loader import load_gguf
+
+        return load_gguf(path, dtype=dtype, device=device, progress=progress)
+    raise ModelLoadError(
+        f"{source}: no such file or directory (expected 'default', a .gguf file, "
+        f"a Hugging Face checkpoint directory, or '{DUMMY_PREFIX}<shape>')"
+    )

@@ -1,0 +1,285 @@
+"""Text <-> token ids and chat formatting for stage 1 (tokenize) and stage 3 (detokenize).
+
+Wraps a Hugging Face `tokenizers.Tokenizer` built either from a GGUF file's metadata (byte-level
+BPE: tokens, merges, token types) or from an HF checkpoint's `tokenizer.json`, plus the model's
+Jinja chat template rendered the way transformers renders it (sandboxed, trim/lstrip blocks).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+# Tokens that end an assistant turn in common chat templates. A model's generation config lists
+# them as EOS, but a GGUF only stores one EOS id, so we recover them from the template.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+_CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+_USER_DEFINED_TOKEN_TYPE = 4
+
+# Split regexes of llama.cpp's `tokenizer.ggml.pre` types (the same ones transformers uses).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are spelled in."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars), strict=True))
+
+
+def _pre_tokenizer(pre_type: str | None) -> pre_tokenizers.PreTokenizer:
+    """Split text the way this vocabulary's merges were learned."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre_type == "smollm":
+        # SmolLM's own tokenizer.json: digits one by one, then GPT-2's split. Its vocabulary has
+        # no multi-digit tokens, so this gives the same ids as transformers' plain ByteLevel.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre_type in _PRE_SPLITS:
+        split = pre_tokenizers.Split(Regex(_PRE_SPLITS[pre_type]), behavior="isolated")
+        no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pre_tokenizers.Sequence([split, no_regex])
+    return byte_level
+
+
+def _metadata(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre_type: str | None) -> HFTokenizer:
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # A few converted vocabularies spell some tokens in raw UTF-8; respell them like transformers.
+    vocab = {
+        tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode()): index
+        for index, tok in enumerate(tokens)
+    }
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    hf.pre_tokenizer = _pre_tokenizer(pre_type)
+    hf.decoder = decoders.ByteLevel()
+    return hf
+
+
+def _add_gguf_specials(hf: HFTokenizer, tokens: list[str], token_types: list[int]) -> None:
+    """Control tokens are matched whole as specials; user-defined ones whole as plain tokens."""
+    alphabet = set(bytes_to_unicode().values())
+    control = [
+        AddedToken(tok, normalized=False, special=True)
+        for tok, kind in zip(tokens, token_types, strict=True)
+        # A control token outside the byte alphabet is a llama.cpp mislabel (transformers skips it).
+        if kind == _CONTROL_TOKEN_TYPE and set(tok) <= alphabet
+    ]
+    user = [
+        AddedToken(tok, normalized=False, special=False)
+        for tok, kind in zip(tokens, token_types, strict=True)
+        if kind == _USER_DEFINED_TOKEN_TYPE
+    ]
+    hf.add_special_tokens(control)
+    hf.add_tokens(user)
+
+
+def _bos_processor(bos: str, bos_id: int) -> processors.PostProcessor:
+    """Prepends BOS when `add_special_tokens=True`, for files that ask for it."""
+    return processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json spells a token as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {entry["name"]: entry["template"] for entry in template}
+        template = named.get("default")
+    return template
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
+    # jinja's own tojson escapes HTML characters; transformers' does not.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kw)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """A model's tokenizer and chat template."""
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        chat_template: str | None,
+        special_tokens: dict[str, str | None] | None = None,
+    ) -> None:
+        self.hf = hf
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+        self.bos_token_id = hf.token_to_id(bos_token) if bos_token else None
+        self.chat_template = chat_template
+        # Passed to the template like transformers' special_tokens_map (bos/eos/unk/pad).
+        self._template_tokens = {k: v for k, v in (special_tokens or {}).items() if v}
+        self._template_tokens.update(bos_token=self.bos_token, eos_token=self.eos_token)
+        self.eos_token_ids = self._collect_eos_ids()
+        self.chat_roles = self._collect_roles()
+
+    def _collect_eos_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        candidates = [self.hf.token_to_id(self.eos_token) if self.eos_token else None]
+        for token in _END_OF_TURN_TOKENS:
+            if self.chat_template and token in self.chat_template:
+                candidates.append(self.hf.token_to_id(token))
+        for token_id in candidates:
+            if token_id is not None and token_id not in ids:
+                ids.append(token_id)
+        return tuple(ids)
+
+    def _collect_roles(self) -> frozenset[str]:
+        roles = {"system", "user", "assistant"}
+        if self.chat_template and "tool" in self.chat_template:
+            roles.add("tool")
+        return frozenset(roles)
+
+    @classmethod
+    def from_gguf(cls, reader_or_path: Any) -> Tokenizer:
+        """Byte-level BPE from `tokenizer.ggml.*` metadata; raises ValueError for other models."""
+        if isinstance(reader_or_path, str | Path):
+            import gguf  # only GGUF users pay for the import
+
+            reader = gguf.GGUFReader(reader_or_path)
+        else:
+            reader = reader_or_path
+        model = _metadata(reader, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {model!r} (only 'gpt2' BPE)")
+        tokens = _metadata(reader, "tokenizer.ggml.tokens")
+        merges = _metadata(reader, "tokenizer.ggml.merges")
+        if not tokens or not merges:
+            raise ValueError("GGUF tokenizer metadata lacks tokens or merges")
+        hf = _byte_level_bpe(tokens, merges, _metadata(reader, "tokenizer.ggml.pre"))
+        _add_gguf_specials(hf, tokens, _metadata(reader, "tokenizer.ggml.token_type", []))
+        named = {
+            name: tokens[token_id]
+            for name in ("bos", "eos", "unknown", "padding")
+            if (token_id := _metadata(reader, f"tokenizer.ggml.{name}_token_id")) is not None
+        }
+        if _metadata(reader, "tokenizer.ggml.add_bos_token", False) and "bos" in named:
+            hf.post_processor = _bos_processor(named["bos"], hf.token_to_id(named["bos"]))
+        return cls(
+            hf,
+            bos_token=named.get("bos"),
+            eos_token=named.get("eos"),
+            chat_template=_metadata(reader, "tokenizer.chat_template"),
+            special_tokens={"unk_token": named.get("unknown"), "pad_token": named.get("padding")},
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """`tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja`) of a checkpoint."""
+        path = Path(path)
+        hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text("utf-8")) if config_file.is_file() else {}
+        return cls(
+            hf,
+            bos_token=_token_content(config.get("bos_token")),
+            eos_token=_token_content(config.get("eos_token")),
+            chat_template=_hf_chat_template(path, config),
+            special_tokens={
+                "unk_token": _token_content(config.get("unk_token")),
+                "pad_token": _token_content(config.get("pad_token")),
+            },
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are matched as specials."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        token = self.hf.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary ({self.vocab_size})")
+        return token
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        return _compile_template(self.chat_template)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for a chat, rendered like transformers' `apply_chat_template`."""
+        plain = [dict(message) for message in messages]  # the template must not mutate ours
+        return self._template.render(
+            messages=plain, add_generation_prompt=add_generation_prompt, **self._template_tokens
+        )
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        # The template writes any BOS itself, so none is added here (as in transformers).
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
