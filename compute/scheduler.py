@@ -1,0 +1,391 @@
+"""Iteration-level scheduler: re-forms the batch at every step (continuous batching).
+
+Every live request is "num_computed_tokens catching up to num_tokens", so
+prefill, chunked prefill and decode are one thing and a step mixes them
+(Sarathi-Serve). Per step there is one token budget (max_num_batched_tokens)
+and a cap on running sequences (max_num_seqs). Order of service:
+
+1. running decodes, oldest (or highest-priority) first;
+2. running sequences still mid-prefill continue with their next chunk;
+3. swapped-out sequences come back (preemption_mode="swap");
+4. waiting requests, from the head of the queue, fill what is left of the
+   budget with prefill chunks (prefix-cache hits are not recomputed).
+
+Items 3 and 4 are skipped in a step that had to preempt: the blocks just
+freed are for the running sequences (and a step never both swaps out and
+swaps in, so the runner may do the two copy lists in either order, as long as
+it does them before the forward pass). When a running sequence cannot get a
+block, the newest running sequence (under "priority": the lowest-priority,
+newest) is preempted, possibly itself: recompute frees its blocks and puts it
+back in the waiting queue ahead of newer requests; swap copies its blocks to
+host memory (falling back to recompute when host blocks run out). Admission
+rejects any request that could never fit the whole cache, so a lone request
+always makes progress, and the first running request in policy order is
+never a victim while another runs: no deadlock, no starvation.
+
+``prefill_interval`` = N > 0: after N consecutive steps that ran prefill work
+(new admissions or running prefill chunks) alongside decodes, the next step
+is decode-only (no prefill chunks, no admissions, no swap-ins). A step with
+prefill tokens is slower, and every decode in it waits for them; the
+decode-only step bounds how long decodes run at that slower pace (their
+inter-token latency) under a steady stream of arrivals, at the cost of time
+to first token. 0 disables it.
+
+Pure Python, no torch: tested by feeding fake runner outputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections.abc import Callable
+
+from compute.config import CacheConfig, SchedulerConfig
+from compute.kv_cache_manager import KVCacheManager
+from compute.outputs import (
+    ModelRunnerOutput,
+    RequestOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+    TokenLogprob,
+)
+from compute.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class _Step:
+    """What the current schedule() call has decided so far."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: dict[str, ScheduledSequence] = {}
+        self.decodes: set[str] = set()
+        self.preempted: list[str] = []
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+
+    def add(self, seq: Sequence, num_new_tokens: int, is_decode: bool) -> None:
+        self.scheduled[seq.request_id] = ScheduledSequence(seq, num_new_tokens)
+        if is_decode:
+            self.decodes.add(seq.request_id)
+        self.budget -= num_new_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        """Un-schedule a sequence preempted after it was scheduled: refund its tokens."""
+        item = self.scheduled.pop(seq.request_id, None)
+        if item is not None:
+            self.decodes.discard(seq.request_id)
+            self.budget += item.num_new_tokens
+
+    @property
+    def mixes_prefill_and_decode(self) -> bool:
+        return bool(self.decodes) and len(self.decodes) < len(self.scheduled)
+
+    def output(self) -> SchedulerOutput:
+        items = list(self.scheduled.values())
+        decodes = [s for s in items if s.seq.request_id in self.decodes]
+        prefills = [s for s in items if s.seq.request_id not in self.decodes]
+        return SchedulerOutput(
+            scheduled=decodes + prefills,
+            num_batched_tokens=sum(s.num_new_tokens for s in items),
+            preempted_request_ids=self.preempted,
+            blocks_to_swap_out=self.swap_out,
+            blocks_to_swap_in=self.swap_in,
+        )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        num_host_blocks: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.kv_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, num_host_blocks
+        )
+        # Each queue is kept sorted by _order: arrival (fcfs) or (priority, arrival).
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self._requests: dict[str, Sequence] = {}
+        self._order: dict[str, tuple] = {}
+        self._arrivals = itertools.count()
+        self._prefill_streak = 0  # consecutive steps that mixed prefill work into decodes
+        self.num_preemptions = 0  # cumulative
+
+    # -- queries ------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._requests.get(request_id)
+
+    def live_sequences(self) -> list[Sequence]:
+        return self.running + self.swapped + self.waiting
+
+    # -- admission and abort ------------------------------------------------
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue ``seq``; ValueError naming the field if it could never be served."""
+        self._check_admissible(seq)
+        seq.status = SequenceStatus.WAITING
+        self._requests[seq.request_id] = seq
+        arrival = (seq.arrival_time, next(self._arrivals))
+        prio = (seq.priority,) if self.config.policy == "priority" else ()
+        self._order[seq.request_id] = prio + arrival
+        self._insert(self.waiting, seq)
+
+    def _check_admissible(self, seq: Sequence) -> None:
+        if seq.request_id in self._requests:
+            raise ValueError(f"request_id: {seq.request_id!r} is already in flight")
+        n, m, limit = seq.num_prompt_tokens, seq.sampling_params.max_tokens, self.max_model_len
+        num_blocks, size = self.kv_manager.num_blocks, self.block_size
+        if n == 0:
+            raise ValueError("prompt: must contain at least one token")
+        if n >= limit:
+            raise ValueError(
+                f"prompt: prompt of {n} tokens leaves no room for output "
+                f"within max_model_len {limit}"
+            )
+        if n + m > limit:
+            raise ValueError(
+                f"max_tokens: prompt of {n} tokens + max_tokens {m} exceeds max_model_len {limit}"
+            )
+        if self.kv_manager.blocks_needed(n + 1) > num_blocks:
+            raise ValueError(
+                f"prompt: prompt of {n} tokens can never fit the KV cache "
+                f"({num_blocks} blocks of {size} tokens)"
+            )
+        if self.kv_manager.blocks_needed(n + m) > num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt of {n} tokens + max_tokens {m} can never fit the KV cache "
+                f"({num_blocks} blocks of {size} tokens)"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks now; False if unknown."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return False
+        queue = {
+            SequenceStatus.WAITING: self.waiting,
+            SequenceStatus.RUNNING: self.running,
+            SequenceStatus.SWAPPED: self.swapped,
+        }[seq.status]
+        _remove(queue, seq)
+        self._retire(seq, FinishReason.ABORT)
+        return True
+
+    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        self.kv_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._requests[seq.request_id]
+        del self._order[seq.request_id]
+
+    # -- scheduling ---------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(self.config.max_num_batched_tokens)
+        decode_only = self._decode_only_turn()
+        self._schedule_running(step, decodes=True)
+        if not decode_only:
+            self._schedule_running(step, decodes=False)
+            if not step.preempted:
+                self._schedule_swapped(step)
+                if not self.swapped:  # swapped sequences come back before new work
+                    self._schedule_waiting(step)
+        self._prefill_streak = self._prefill_streak + 1 if step.mixes_prefill_and_decode else 0
+        return step.output()
+
+    def _decode_only_turn(self) -> bool:
+        interval = self.config.prefill_interval
+        if interval == 0 or self._prefill_streak < interval:
+            return False
+        return any(_is_decode(seq) for seq in self.running)
+
+    def _schedule_running(self, step: _Step, decodes: bool) -> None:
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled:
+                continue  # preempted earlier in this step, or already served
+            if _is_decode(seq) != decodes:
+                continue
+            if step.budget <= 0:
+                return
+            n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+            if self._allocate_or_preempt(seq, n, step):
+                step.add(seq, n, decodes)
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int, step: _Step) -> bool:
+        """Make room for ``seq`` by preempting victims; False if ``seq`` itself was one."""
+        while not self.kv_manager.allocate_slots(seq, num_new_tokens):
+            victim = max(self.running, key=self._sort_key)
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        _remove(self.running, seq)
+        step.drop(seq)
+        step.preempted.append(seq.request_id)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        swap = self.config.preemption_mode == "swap"
+        if swap and self.kv_manager.can_swap_out(seq):
+            step.swap_out.extend(self.kv_manager.swap_out(seq))
+            seq.status = SequenceStatus.SWAPPED
+            self._insert(self.swapped, seq)
+            return
+        # Recompute: its output tokens stay, so it later prefills prompt + outputs
+        # (mostly prefix-cache hits when caching is on).
+        self.kv_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, seq)
+
+    def _schedule_swapped(self, step: _Step) -> None:
+        kv = self.kv_manager
+        while self.swapped and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+            if not kv.can_swap_in(seq, n):
+                return
+            self.swapped.pop(0)
+            step.swap_in.extend(kv.swap_in(seq))
+            if not kv.allocate_slots(seq, n):
+                raise RuntimeError(f"{seq.request_id}: no room after can_swap_in said yes")
+            self._start_running(seq, n, step)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        kv = self.kv_manager
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            blocks, num_hit = kv.get_computed_blocks(seq)
+            n = min(seq.num_tokens - num_hit, step.budget)
+            if not kv.allocate_slots(seq, n, blocks):
+                return  # head-of-line: later requests must not overtake it
+            self.waiting.pop(0)
+            seq.num_computed_tokens = num_hit
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = self.clock()
+                seq.num_cached_tokens = num_hit
+            self._start_running(seq, n, step)
+
+    def _start_running(self, seq: Sequence, num_new_tokens: int, step: _Step) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self._insert(self.running, seq)
+        step.add(seq, num_new_tokens, _is_decode(seq))
+
+    # -- results ------------------------------------------------------------
+
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Advance every scheduled sequence, append sampled tokens, finish the stopped."""
+        samples = _index_samples(runner_out)
+        outputs = []
+        for item in sched_out.scheduled:
+            seq = item.seq
+            if self._requests.get(seq.request_id) is not seq:
+                continue  # aborted while the step was in flight
+            sampled = item.samples  # must be read before num_computed_tokens moves
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv_manager.cache_full_blocks(seq)
+            if not sampled:
+                continue  # mid-prefill chunk: nothing to report yet
+            if seq.request_id not in samples:
+                raise ValueError(f"runner output has no token for {seq.request_id}")
+            token_id, logprob = samples[seq.request_id]
+            outputs.append(self._append_token(seq, token_id, logprob))
+        return outputs
+
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprob: TokenLogprob | None
+    ) -> RequestOutput:
+        seq.output_token_ids.append(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = self.clock()
+        reason, stop_token_id = self._stop_reason(seq, token_id)
+        if reason is not None:
+            _remove(self.running, seq)
+            self._retire(seq, reason)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token_id],
+            new_logprobs=[logprob],
+            finished=reason is not None,
+            finish_reason=reason,
+            stop_token_id=stop_token_id,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
+        params = seq.sampling_params
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP, token_id
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    # -- helpers ------------------------------------------------------------
+
+    def _sort_key(self, seq: Sequence) -> tuple:
+        return self._order[seq.request_id]
+
+    def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
+        bisect.insort(queue, seq, key=self._sort_key)
+
+
+def _is_decode(seq: Sequence) -> bool:
+    """Generating one token per step (as opposed to computing a prompt or recomputing)."""
+    return seq.num_output_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1
+
+
+def _remove(queue: list[Sequence], seq: Sequence) -> None:
+    # By identity: Sequence is a dataclass, so == would compare every field.
+    for i, other in enumerate(queue):
+        if other is seq:
+            del queue[i]
+            return
+    raise ValueError(f"{seq.request_id} is not in the queue")
+
+
+def _index_samples(
+    runner_out: ModelRunnerOutput,
+) -> dict[str, tuple[int, TokenLogprob | None]]:
+    ids, tokens, logprobs = (
+        runner_out.request_ids,
+        runner_out.sampled_token_ids,
+        runner_out.logprobs,
+    )
+    if not len(ids) == len(tokens) == len(logprobs):
+        raise ValueError("runner output: request_ids, sampled_token_ids, logprobs differ in length")
+    return {rid: (tok, lp) for rid, tok, lp in zip(ids, tokens, logprobs, strict=True)}

@@ -1,0 +1,125 @@
+"""A fake model runner for scheduler tests: a simulated paged KV cache, no model.
+
+``FakeRunner.execute(SchedulerOutput) -> ModelRunnerOutput`` behaves like the
+real runner where the scheduler can tell: it performs the swap copies, writes
+each scheduled token id into its KV slot through the block table, and
+"samples" the next token as a hash of the whole context *read back from the
+cache*. So a wrong block table, a prefix-cache hit on the wrong block, a lost
+swap copy or a slot read before it was written changes the output (or raises),
+and the same request yields the same tokens alone, batched, chunked,
+preempted or served from the prefix cache. ``reference_tokens`` gives those
+tokens without any cache, for comparison.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from compute.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from compute.sampling_params import SamplingParams
+
+_EMPTY = -1  # a slot nobody wrote
+
+
+def fake_token(
+    context: list[int], vocab_size: int, eos_token_id: int | None, eos_rate: float
+) -> int:
+    """The deterministic "model": the next token as a function of the whole context."""
+    digest = hashlib.blake2b(array("q", context).tobytes(), digest_size=8).digest()
+    value = int.from_bytes(digest, "little")
+    if eos_token_id is not None and (value >> 40) % 10_000 < eos_rate * 10_000:
+        return eos_token_id
+    token = value % vocab_size
+    return token + 1 if token == eos_token_id else token
+
+
+class FakeRunner:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        vocab_size: int = 1000,
+        eos_token_id: int | None = None,
+        eos_rate: float = 0.0,
+        eos_after: int | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_rate = eos_rate  # chance per sampled token of emitting eos_token_id
+        self.eos_after = eos_after  # if set: every request emits EOS after this many tokens
+        self.device = [[_EMPTY] * block_size for _ in range(num_blocks)]
+        self.host = [[_EMPTY] * block_size for _ in range(num_host_blocks)]
+        self.num_steps = 0
+        self.num_computed_tokens = 0  # cumulative tokens written (for prefix-cache tests)
+
+    def token_for(self, context: list[int], num_output_tokens: int = 0) -> int:
+        """The token the fake model samples after ``context`` (its outputs so far counted)."""
+        if self.eos_token_id is not None and num_output_tokens == self.eos_after:
+            return self.eos_token_id
+        return fake_token(context, self.vocab_size, self.eos_token_id, self.eos_rate)
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        # Same order as the real runner: copies first, then the forward pass.
+        for device_block, host_block in sched.blocks_to_swap_out:
+            self.host[host_block] = list(self.device[device_block])
+        for host_block, device_block in sched.blocks_to_swap_in:
+            self.device[device_block] = list(self.host[host_block])
+        for item in sched.scheduled:
+            self._write(item.seq, item.seq.num_computed_tokens, item.num_new_tokens)
+        out = ModelRunnerOutput(request_ids=[], sampled_token_ids=[], logprobs=[])
+        for item in sched.scheduled:
+            if item.samples:
+                end = item.seq.num_computed_tokens + item.num_new_tokens
+                token = self.token_for(self._read(item.seq, end), item.seq.num_output_tokens)
+                out.request_ids.append(item.seq.request_id)
+                out.sampled_token_ids.append(token)
+                out.logprobs.append(TokenLogprob(token, -1.0) if _wants(item.seq) else None)
+        self.num_steps += 1
+        return out
+
+    def _write(self, seq, start: int, count: int) -> None:
+        tokens = seq.token_ids_slice(start, start + count)
+        for pos, token in zip(range(start, start + count), tokens, strict=True):
+            block, offset = self._slot(seq, pos)
+            self.device[block][offset] = token
+        self.num_computed_tokens += count
+
+    def _read(self, seq, end: int) -> list[int]:
+        context = []
+        for pos in range(end):
+            block, offset = self._slot(seq, pos)
+            token = self.device[block][offset]
+            if token == _EMPTY:
+                raise RuntimeError(f"{seq.request_id}: position {pos} read before written")
+            context.append(token)
+        return context
+
+    def _slot(self, seq, pos: int) -> tuple[int, int]:
+        index = pos // self.block_size
+        if index >= len(seq.block_ids):
+            raise RuntimeError(f"{seq.request_id}: position {pos} beyond its block table")
+        return seq.block_ids[index], pos % self.block_size
+
+
+def reference_tokens(
+    prompt: list[int],
+    params: SamplingParams,
+    runner: FakeRunner,
+    eos_token_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """What the fake model generates for ``prompt`` with no cache, batching or preemption."""
+    context, out = list(prompt), []
+    while len(out) < params.max_tokens:
+        token = runner.token_for(context, len(out))
+        out.append(token)
+        context.append(token)
+        if token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos):
+            break
+    return out
+
+
+def _wants(seq) -> bool:
+    return seq.sampling_params.wants_logprobs
