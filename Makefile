@@ -43,8 +43,8 @@ format: setup ## apply ruff fixes and formatting
 serve: setup ## run the gRPC service on the embedded default model (:50051, metrics :9400)
 	$(VENV)/bin/headrace serve $(ARGS)
 
-generate: setup ## one offline generation, e.g. make generate ARGS='--prompt "Hi"'
-	$(VENV)/bin/headrace generate $(ARGS)
+generate: setup ## one in-process generation, no server: make generate ARGS='--chat "Hi"'
+	$(VENV)/bin/headrace generate --offline $(ARGS)
 
 proto: setup ## regenerate the Python gRPC code from protos/
 	$(PY) -m services.codegen

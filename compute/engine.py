@@ -7,13 +7,25 @@ sequences. Stage 2 (compute/step_loop.py) drives ``add_request``/``step``/
 
 from __future__ import annotations
 
+import itertools
+import logging
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import torch
+
 from compute.config import EngineConfig
+from compute.loader import LoadedModel, load_model
+from compute.malloc_tuning import keep_freed_memory
+from compute.model import LlamaModel
+from compute.model_runner import ModelRunner, blocks_for_memory
 from compute.outputs import RequestOutput, TokenLogprob
 from compute.sampling_params import SamplingParams
-from compute.sequence import FinishReason
+from compute.scheduler import Scheduler
+from compute.sequence import FinishReason, Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,10 +59,54 @@ class EngineStats:
 
 
 class Engine:
-    """API contract; the implementation lands with the model runner."""
+    """Continuous-batching engine over one model. Not thread-safe: one owner (stage 2)."""
 
-    def __init__(self, config: EngineConfig, loaded=None) -> None:
-        raise NotImplementedError
+    def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None):
+        self.config = config
+        device, dtype = resolve_device(config.device.device, config.device.dtype)
+        if device.type == "cpu":
+            keep_freed_memory()
+            if config.device.num_threads:
+                torch.set_num_threads(config.device.num_threads)
+        if loaded is None:
+            loaded = load_model(config.model, dtype=dtype, device=device, seed=config.seed)
+        self.device, self.dtype = device, dtype
+        self.model_config = loaded.config
+        self.model_name = loaded.config.name
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(
+            config.scheduler.max_model_len or loaded.config.max_position_embeddings,
+            loaded.config.max_position_embeddings,
+        )
+        model = LlamaModel(loaded.config, loaded.weights)
+        loaded.weights.clear()  # the model holds its own (fused) copies now
+        self.block_size = config.cache.block_size
+        self.num_blocks = config.cache.num_blocks or blocks_for_memory(
+            loaded.config, config.cache, config.cache.memory_gib, dtype
+        )
+        num_host_blocks = 0
+        if config.scheduler.preemption_mode == "swap":
+            num_host_blocks = blocks_for_memory(
+                loaded.config, config.cache, config.cache.swap_space_gib, dtype
+            )
+        self.runner = ModelRunner(
+            model, config.cache, self.num_blocks, num_host_blocks, config.seed
+        )
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tuple(loaded.config.eos_token_ids),
+            num_host_blocks=num_host_blocks,
+        )
+        self._ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
     def add_request(
         self,
@@ -61,24 +117,129 @@ class Engine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. ValueError naming the field if it can never be served."""
-        raise NotImplementedError
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+        )
+        self.scheduler.add_request(seq)
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is; its blocks are free when this returns."""
-        raise NotImplementedError
+        self.scheduler.abort(request_id)
+        self.runner.sampler.forget(request_id)
 
     def step(self) -> list[RequestOutput]:
-        raise NotImplementedError
+        sched = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched)
+        outputs = self.scheduler.update_from_output(sched, runner_out)
+        self._count_tokens(sched, outputs)
+        return outputs
+
+    def _count_tokens(self, sched, outputs: list[RequestOutput]) -> None:
+        for item in sched.scheduled:
+            prompt_left = item.seq.num_prompt_tokens - (
+                item.seq.num_computed_tokens - item.num_new_tokens
+            )
+            self._prompt_tokens += max(0, min(item.num_new_tokens, prompt_left))
+        for out in outputs:
+            self._generation_tokens += len(out.new_token_ids)
+            if out.finished:
+                self.runner.sampler.forget(out.request_id)
 
     def has_unfinished(self) -> bool:
-        raise NotImplementedError
+        return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        raise NotImplementedError
+        sched, kv = self.scheduler, self.scheduler.kv_manager
+        owned = live_tokens = 0
+        for seq in sched.live_sequences():
+            owned += len(seq.block_ids)
+            live_tokens += min(seq.num_computed_tokens, len(seq.block_ids) * self.block_size)
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_swapped=sched.num_swapped,
+            num_blocks=self.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            block_size=self.block_size,
+            kv_usage=kv.usage,
+            kv_slots_allocated=owned * self.block_size,
+            kv_slots_used=live_tokens,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_hit_tokens=kv.prefix_hit_tokens,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )
 
     def generate(
         self,
         prompts: Seq[str | list[int]],
-        params: SamplingParams | Seq[SamplingParams],
+        params: SamplingParams | Seq[SamplingParams] = SamplingParams(),
     ) -> list[CompletionOutput]:
-        raise NotImplementedError
+        """Run prompts to completion with continuous batching; outputs in input order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("params: need one SamplingParams per prompt")
+        results = {}
+        order = []
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = f"gen-{next(self._ids)}"
+            ids = self._encode(prompt)
+            self.add_request(rid, ids, p)
+            order.append(rid)
+            results[rid] = _Accumulator(rid, ids)
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id].add(out)
+        return [results[rid].finish(self.tokenizer) for rid in order]
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+
+class _Accumulator:
+    def __init__(self, request_id: str, prompt_ids: list[int]) -> None:
+        self.request_id, self.prompt_ids = request_id, prompt_ids
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob | None] = []
+        self.last: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.new_logprobs)
+        self.last = out
+
+    def finish(self, tokenizer) -> CompletionOutput:
+        last = self.last
+        return CompletionOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            token_ids=self.token_ids,
+            text=tokenizer.decode(self.token_ids, skip_special_tokens=True) if tokenizer else None,
+            finish_reason=last.finish_reason if last else FinishReason.ABORT,
+            logprobs=self.logprobs,
+            num_cached_tokens=last.num_cached_tokens if last else 0,
+        )
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """'auto' picks CUDA when present; fp32 on CPU, bf16 on GPU unless told otherwise."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: CUDA was requested but torch sees no CUDA device")
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, getattr(torch, dtype)

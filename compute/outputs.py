@@ -66,3 +66,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() of its first step

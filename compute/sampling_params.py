@@ -6,8 +6,9 @@ the service can map it to INVALID_ARGUMENT naming the field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+DEFAULT_MAX_TOKENS = 256  # new tokens when the request does not say
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
@@ -24,7 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI semantics over output, in [-2, 2]
     frequency_penalty: float = 0.0  # OpenAI semantics over output, in [-2, 2]
     seed: int | None = None  # per-request generator: same tokens alone or in any batch
-    max_tokens: int = 256  # new tokens at most
+    max_tokens: int | None = None  # new tokens at most; None = up to 256, capped to the context
     stop: tuple[str, ...] = ()  # stop strings (matched by the output stage)
     stop_token_ids: tuple[int, ...] = ()  # extra tokens that end generation
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
@@ -46,7 +47,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2 <= value <= 2, name, "must be in [-2, 2]", value)
-        _check(self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            "must be >= 1",
+            self.max_tokens,
+        )
         _check(
             0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
             "top_logprobs",
@@ -80,6 +86,16 @@ class SamplingParams:
         )
         for tid in self.stop_token_ids:
             _check(tid >= 0, "stop_token_ids", "ids must be >= 0", tid)
+
+    def with_max_tokens_for(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """Resolve an unset max_tokens: the default, capped to the room the context leaves.
+
+        An explicit max_tokens is kept as given (admission rejects it if it cannot fit).
+        """
+        if self.max_tokens is not None:
+            return self
+        room = max(1, max_model_len - num_prompt_tokens)
+        return replace(self, max_tokens=min(DEFAULT_MAX_TOKENS, room))
 
     @property
     def greedy(self) -> bool:

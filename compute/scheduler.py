@@ -150,6 +150,9 @@ class Scheduler:
 
     def add_request(self, seq: Sequence) -> None:
         """Queue ``seq``; ValueError naming the field if it could never be served."""
+        seq.sampling_params = seq.sampling_params.with_max_tokens_for(
+            seq.num_prompt_tokens, self.max_model_len
+        )
         self._check_admissible(seq)
         seq.status = SequenceStatus.WAITING
         self._requests[seq.request_id] = seq
@@ -343,6 +346,7 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
+            first_scheduled_time=seq.first_scheduled_time,
         )
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:

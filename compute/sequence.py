@@ -19,7 +19,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, stop token or stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # client cancel, deadline, disconnect, engine fault

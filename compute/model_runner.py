@@ -1,0 +1,127 @@
+"""Runs one scheduled step on the model: build the flat batch, forward, sample.
+
+Owns the model, the paged KV cache tensors (and the host copy used by
+preemption_mode=swap) and the sampler. Returns plain lists to the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compute.config import CacheConfig, ModelConfig
+from compute.model import LlamaModel
+from compute.outputs import ModelRunnerOutput, SchedulerOutput
+from compute.sampler import Sampler
+from compute.sequence import Sequence
+from kernels.metadata import AttentionMetadata
+
+GIB = 1024**3
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def blocks_for_memory(cfg: ModelConfig, cache: CacheConfig, gib: float, dtype) -> int:
+    return int(gib * GIB) // kv_bytes_per_block(cfg, cache.block_size, dtype)
+
+
+@dataclass
+class StepBatch:
+    token_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # int64 [S]: flat index of each sampling sequence's last token
+    sampling_seqs: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: CacheConfig,
+        num_blocks: int,
+        num_host_blocks: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.device, self.dtype = model.device, model.dtype
+        self.block_size = cache.block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = self._allocate_cache(num_blocks, model.device)
+        # Host blocks for swap preemption; pinned when the model is on a GPU.
+        self.host_caches = self._allocate_cache(num_host_blocks, "cpu") if num_host_blocks else []
+        self.sampler = Sampler(model.config.vocab_size, model.device, seed)
+
+    def _allocate_cache(self, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model.config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        pin = str(device) == "cpu" and self.device.type == "cuda"
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin),
+                torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._swap(sched.blocks_to_swap_out, to_host=True)
+        self._swap(sched.blocks_to_swap_in, to_host=False)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [], [])
+        batch = self.prepare(sched)
+        hidden = self.model.forward(batch.token_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sampling_seqs:
+            return ModelRunnerOutput([], [], [])
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        token_ids, logprobs = self.sampler.sample(logits, batch.sampling_seqs)
+        return ModelRunnerOutput(
+            request_ids=[s.request_id for s in batch.sampling_seqs],
+            sampled_token_ids=token_ids,
+            logprobs=logprobs,
+        )
+
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, context_lens, tables, sample_rows, sampling = [], [], [], [], []
+        for item in sched.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            token_ids.extend(seq.token_ids_slice(start, end))
+            positions.extend(range(start, end))
+            query_lens.append(item.num_new_tokens)
+            context_lens.append(end)
+            tables.append(seq.block_ids)
+            if item.samples:
+                sample_rows.append(len(token_ids) - 1)
+                sampling.append(seq)
+        meta = AttentionMetadata.build(
+            query_lens, context_lens, tables, self.block_size, device=self.device
+        )
+        return StepBatch(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            sampling_seqs=sampling,
+        )
+
+    def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """Copy whole blocks between device and host caches, (src, dst) by direction."""
+        if not pairs:
+            return
+        src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+        dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        for (dk, dv), (hk, hv) in zip(self.kv_caches, self.host_caches, strict=True):
+            if to_host:
+                hk[dst_ids] = dk[src_ids.to(dk.device)].to("cpu")
+                hv[dst_ids] = dv[src_ids.to(dv.device)].to("cpu")
+            else:
+                dk[dst_ids.to(dk.device)] = hk[src_ids].to(dk.device)
+                dv[dst_ids.to(dv.device)] = hv[src_ids].to(dv.device)
