@@ -37,7 +37,8 @@ class Chunk:
     text: str  # new text since the last chunk: whole UTF-8, never part of a stop string
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
-    tokens: tuple[str, ...] = ()  # token strings for logprobs (same order as logprobs)
+    tokens: tuple[str, ...] = ()  # text of each logprobs entry's token (same order)
+    top_tokens: tuple[tuple[str, ...], ...] = ()  # text of each entry's alternatives
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,193 @@
+"""Stage 2: the step loop, one thread that owns the engine.
+
+It receives ``AddRequest``/``Abort`` records on its inbox, runs ``engine.step()`` for as
+long as requests are in flight, and hands each step's deltas to stage 3 as one
+``StepOutputs`` record without waiting for them to be consumed. It never tokenizes,
+detokenizes or touches gRPC, so the accelerator is fed back to back.
+
+An engine exception fails only the requests in the engine at the time (each gets a
+``RequestFailed``); the loop then goes on serving new requests.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import structlog
+
+from compute.messages import (
+    Abort,
+    AddRequest,
+    FailureKind,
+    LogprobEntry,
+    RequestFailed,
+    Shutdown,
+    StepOutputs,
+    TokenDelta,
+)
+from compute.outputs import RequestOutput, TokenLogprob
+
+if TYPE_CHECKING:
+    from compute.engine import Engine, EngineStats
+
+log = structlog.get_logger(__name__)
+
+Inbound = AddRequest | Abort | Shutdown
+Outbound = StepOutputs | RequestFailed
+
+
+class StepLoop:
+    """Drives ``engine.step()``; the only code that touches the engine once started."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        inbox: queue.Queue[Inbound],
+        send: Callable[[Outbound], None],
+        active_since: Callable[[], float | None],
+    ) -> None:
+        self._engine = engine
+        self._inbox = inbox
+        self._send = send
+        # When the pipeline last went from no requests to some (None: none now); a wait
+        # for input overlapping that is time the step loop starved.
+        self._active_since = active_since
+        self._in_flight: set[str] = set()
+        self.idle_seconds = 0.0
+        self.stats: EngineStats = engine.stats()  # replaced (not mutated) after every step
+        self.crashed = False  # the loop died on a bug: nothing will serve requests any more
+
+    def run(self) -> None:
+        """Thread entry: the event loop, with fatal errors logged and reported."""
+        try:
+            self.event_loop()
+        except BaseException:
+            self.crashed = True
+            log.exception("step loop died")
+            self._fail_all(FailureKind.ENGINE_FAULT, "the step loop stopped on an internal error")
+            raise
+
+    def event_loop(self) -> None:
+        while True:
+            for msg in self._receive():
+                if isinstance(msg, Shutdown):
+                    self._fail_all(FailureKind.UNAVAILABLE, "the server is shutting down")
+                    return
+                self._dispatch(msg)
+            deltas, start, end = self._step() if self._in_flight else ((), None, None)
+            self.stats = self._snapshot()
+            now = time.monotonic()
+            self._send(StepOutputs(deltas, start or now, end or now, self.stats))
+
+    def _receive(self) -> list[Inbound]:
+        """Everything queued; blocks for the first message only when nothing is in flight."""
+        msgs: list[Inbound] = []
+        if not self._in_flight:
+            msgs.append(self._wait())
+        while True:
+            try:
+                msgs.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return msgs
+
+    def _wait(self) -> Inbound:
+        waited_from = time.monotonic()
+        msg = self._inbox.get()
+        now = time.monotonic()
+        since = self._active_since()
+        if since is not None:
+            self.idle_seconds += now - max(waited_from, since)
+        return msg
+
+    def _dispatch(self, msg: AddRequest | Abort) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif msg.request_id in self._in_flight:
+            self._in_flight.discard(msg.request_id)
+            self._abort(msg.request_id)
+
+    def _add(self, req: AddRequest) -> None:
+        try:
+            self._engine.add_request(
+                req.request_id,
+                list(req.prompt_token_ids),
+                req.params,
+                priority=req.priority,
+                arrival_time=req.arrival_time,
+            )
+        except ValueError as exc:
+            field = str(exc).split(":", 1)[0] if ":" in str(exc) else None
+            self._send(RequestFailed(req.request_id, FailureKind.INVALID_ARGUMENT, str(exc), field))
+        except Exception as exc:
+            log.exception("engine.add_request failed", request_id=req.request_id)
+            self._send(RequestFailed(req.request_id, FailureKind.ENGINE_FAULT, repr(exc)))
+        else:
+            self._in_flight.add(req.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self._engine.abort(request_id)
+        except Exception:
+            log.exception("engine.abort failed", request_id=request_id)
+
+    def _step(self) -> tuple[tuple[TokenDelta, ...], float, float]:
+        start = time.monotonic()
+        try:
+            outs = self._engine.step()
+        except Exception as exc:
+            log.exception("engine.step failed", num_requests=len(self._in_flight))
+            self._fail_all(FailureKind.ENGINE_FAULT, f"engine step failed: {exc!r}")
+            return (), start, time.monotonic()
+        end = time.monotonic()
+        for out in outs:
+            if out.finished:
+                self._in_flight.discard(out.request_id)
+        if not outs and not self._engine.has_unfinished():
+            # The engine dropped requests without finishing them; don't spin on them.
+            self._fail_all(FailureKind.ENGINE_FAULT, "the engine lost the request")
+        return tuple(_delta(out) for out in outs), start, end
+
+    def _snapshot(self) -> EngineStats:
+        try:
+            return self._engine.stats()
+        except Exception:
+            log.exception("engine.stats failed")
+            return self.stats
+
+    def _fail_all(self, kind: FailureKind, message: str) -> None:
+        """Abort every request in flight and tell stage 3 why each one ended."""
+        for request_id in sorted(self._in_flight):
+            self._abort(request_id)
+            self._send(RequestFailed(request_id, kind, message))
+        self._in_flight.clear()
+
+
+def run_step_loop(loop: StepLoop) -> threading.Thread:
+    """Start stage 2 on its own named daemon thread."""
+    thread = threading.Thread(target=loop.run, name="headrace-step-loop", daemon=True)
+    thread.start()
+    return thread
+
+
+def _delta(out: RequestOutput) -> TokenDelta:
+    return TokenDelta(
+        request_id=out.request_id,
+        new_token_ids=tuple(out.new_token_ids),
+        logprobs=tuple(_logprob(lp) for lp in out.new_logprobs),
+        finished=out.finished,
+        finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
+        stop_token_id=out.stop_token_id,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        num_output_tokens=out.num_output_tokens,
+        # Not (yet) part of RequestOutput; stage 3 falls back to the step's start time.
+        first_scheduled_time=out.first_scheduled_time,
+    )
+
+
+def _logprob(lp: TokenLogprob | None) -> LogprobEntry | None:
+    return None if lp is None else (lp.token_id, lp.logprob, tuple(lp.top))

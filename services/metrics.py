@@ -1,0 +1,150 @@
+"""Prometheus metrics of the serving pipeline, in a registry of their own.
+
+The pipeline's stages update them (stage 3 mirrors the engine's stats snapshots and
+records per-request latencies; the facade counts rejections); the server exposes
+``registry`` over HTTP (``prometheus_client.start_http_server(port, registry=...)``).
+A private ``CollectorRegistry`` rather than the global one lets tests build many.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:  # the engine module pulls in torch
+    from compute.engine import EngineStats
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+# EngineStats cumulative fields mirrored as counters: field -> metric attribute.
+_CUMULATIVE = {
+    "prefix_cache_hit_tokens": "prefix_cache_hit_tokens",
+    "num_preemptions": "preemptions",
+    "prompt_tokens": "prompt_tokens",
+    "generation_tokens": "generation_tokens",
+}
+
+
+class Metrics:
+    """Every headrace_* metric; thread-safe (prometheus_client locks internally)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._add_engine_metrics(self.registry)
+        self._add_request_metrics(self.registry)
+        self._last_cumulative = dict.fromkeys(_CUMULATIVE, 0)
+
+    def _add_engine_metrics(self, r: CollectorRegistry) -> None:
+        """Mirrors of the engine's stats snapshots, plus the step loop's idle share."""
+        self.requests_running = Gauge(
+            "headrace_requests_running", "Sequences running in the engine", registry=r
+        )
+        self.requests_waiting = Gauge(
+            "headrace_requests_waiting", "Sequences waiting in the engine", registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "headrace_kv_cache_usage_ratio",
+            "Fraction of KV blocks owned by live sequences",
+            registry=r,
+        )
+        self.step_loop_idle = Gauge(
+            "headrace_step_loop_idle_ratio",
+            "Fraction of busy wall time the step loop sat waiting for work",
+            registry=r,
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "headrace_prefix_cache_hit_tokens_total",
+            "Prompt tokens served by the prefix cache",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "headrace_preemptions_total", "Sequences preempted for lack of KV blocks", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "headrace_prompt_tokens_total", "Prompt tokens computed", registry=r
+        )
+        self.generation_tokens = Counter(
+            "headrace_generation_tokens_total", "Tokens sampled", registry=r
+        )
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        """Per-request outcomes and latencies, recorded by stage 3 and the facade."""
+        self.requests_finished = Counter(
+            "headrace_requests_finished_total",
+            "Requests that ended, by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.requests_rejected = Counter(
+            "headrace_requests_rejected_total",
+            "Requests refused before running, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "headrace_queue_time_seconds",
+            "Arrival to first scheduled",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "headrace_time_to_first_token_seconds",
+            "Arrival to first token chunk",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "headrace_inter_token_latency_seconds",
+            "Time between token chunks of a request, per token",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "headrace_e2e_request_latency_seconds",
+            "Arrival to the last event",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def observe_engine_stats(self, stats: EngineStats) -> None:
+        """Mirror one snapshot; call from one thread only (it diffs cumulative counts)."""
+        self.requests_running.set(stats.num_running)
+        self.requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_usage)
+        for field, attr in _CUMULATIVE.items():
+            value = getattr(stats, field)
+            delta = value - self._last_cumulative[field]
+            if delta > 0:  # an engine restart would reset its counts: never decrement
+                getattr(self, attr).inc(delta)
+            self._last_cumulative[field] = value
+
+    def observe_first_token(self, queue_seconds: float, ttft_seconds: float) -> None:
+        self.queue_time.observe(max(0.0, queue_seconds))
+        self.ttft.observe(ttft_seconds)
+
+    def observe_inter_token(self, seconds: float, num_tokens: int) -> None:
+        per_token = seconds / max(1, num_tokens)
+        for _ in range(num_tokens):
+            self.inter_token_latency.observe(per_token)
+
+    def observe_finished(self, finish_reason: str, e2e_seconds: float | None = None) -> None:
+        self.requests_finished.labels(finish_reason=finish_reason).inc()
+        if e2e_seconds is not None:
+            self.e2e_latency.observe(e2e_seconds)
+
+    def observe_rejected(self, reason: str) -> None:
+        self.requests_rejected.labels(reason=reason).inc()
+
+    def bind_step_loop_idle_ratio(self, fraction: Callable[[], float]) -> None:
+        """Evaluate the step loop's idle fraction at scrape time."""
+        self.step_loop_idle.set_function(fraction)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

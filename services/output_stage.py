@@ -1,0 +1,363 @@
+"""Stage 3: the output pool, from token deltas to each request's event stream.
+
+Per request it detokenizes incrementally, matches stop strings (holding back text
+that may be the start of one), decides the finish, and delivers ``Chunk``/``Complete``
+(or a ``RequestError``) to the request's asyncio queue on the server's event loop. A
+stop-string hit finishes the stream at once and sends an ``Abort`` back to stage 2 so
+the engine frees the sequence.
+
+Requests are sharded over the workers by id, so one request's events stay in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from compute.messages import (
+    AddRequest,
+    FailureKind,
+    RequestFailed,
+    Shutdown,
+    StepOutputs,
+    TokenDelta,
+)
+from compute.outputs import TokenLogprob
+from compute.tokenizer import Tokenizer
+from services.detokenizer import IncrementalDetokenizer, NullDetokenizer
+from services.domain import (
+    Chunk,
+    Complete,
+    EngineFault,
+    InvalidArgument,
+    RequestError,
+    Timing,
+    Unavailable,
+    Usage,
+)
+from services.metrics import Metrics
+from services.stop_strings import StopStringMatcher
+
+log = structlog.get_logger(__name__)
+
+Event = Chunk | Complete | RequestError
+Inbound = StepOutputs | RequestFailed | Shutdown
+
+
+class RequestStream:
+    """The asyncio end of one request: stage 3 puts events, the generator awaits them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    async def get(self) -> Event:
+        return await self.queue.get()
+
+
+@dataclass
+class Outcome:
+    events: list[Event]
+    done: bool = False  # the stream ended; forget the request
+    abort_engine: bool = False  # a stop string ended it while the engine still runs it
+
+
+class RequestState:
+    """Stage 3's view of one request: detokenizer, stop matcher, counts, timestamps."""
+
+    def __init__(self, req: AddRequest, stream: RequestStream, tokenizer: Tokenizer | None) -> None:
+        self.request_id = req.request_id
+        self.stream = stream
+        self.params = req.params
+        self.arrival = req.arrival_time
+        self.num_prompt_tokens = len(req.prompt_token_ids)
+        self._tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer.hf) if tokenizer else NullDetokenizer()
+        self.stop = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+
+    def on_delta(self, d: TokenDelta, step_start: float, now: float) -> Outcome:
+        if self.first_scheduled is None:
+            self.first_scheduled = d.first_scheduled_time or step_start
+        text = self.detok.add(self._text_ids(d))
+        if d.finished:
+            text += self.detok.flush()
+        result = self.stop.feed(text)
+        emit = result.text
+        if result.matched is None and d.finished:
+            emit += self.stop.flush()
+        out = Outcome([self._chunk(emit, d)] if d.new_token_ids or emit else [])
+        if result.matched is not None:
+            out.events.append(self._complete("stop", result.matched, d, now))
+            out.done, out.abort_engine = True, not d.finished
+        elif d.finished:
+            out.events.append(self._finish(d, now))
+            out.done = True
+        return out
+
+    def _text_ids(self, d: TokenDelta) -> tuple[int, ...]:
+        # Like vLLM: the EOS/stop token that ended generation is not part of the text
+        # unless the caller asked for stop strings/tokens in the output.
+        ids = d.new_token_ids
+        stopped_by_token = d.stop_token_id is not None and ids and ids[-1] == d.stop_token_id
+        if stopped_by_token and not self.params.include_stop_str_in_output:
+            return ids[:-1]
+        return ids
+
+    def _chunk(self, text: str, d: TokenDelta) -> Chunk:
+        logprobs = tuple(TokenLogprob(*entry) for entry in d.logprobs if entry is not None)
+        tokens = tuple(self._token_str(lp.token_id) for lp in logprobs)
+        top_tokens = tuple(tuple(self._token_str(t) for t, _ in lp.top) for lp in logprobs)
+        return Chunk(
+            text=text,
+            token_ids=d.new_token_ids,
+            logprobs=logprobs,
+            tokens=tokens,
+            top_tokens=top_tokens,
+        )
+
+    def _token_str(self, token_id: int) -> str:
+        if self._tokenizer is None:
+            return ""
+        # The token's own text (" world"), not its BPE spelling ("Ġworld"); a token that
+        # is only part of a UTF-8 character decodes to U+FFFD, as the proto says.
+        try:
+            return self._tokenizer.decode([token_id])
+        except (ValueError, OverflowError):
+            return ""
+
+    def _finish(self, d: TokenDelta, now: float) -> Event:
+        if d.finish_reason in ("stop", "length"):
+            return self._complete(d.finish_reason, "", d, now)
+        # Aborts we asked for never come back; any other abort is the engine's doing.
+        return EngineFault(f"the engine ended the request ({d.finish_reason})")
+
+    def _complete(self, reason: str, matched: str, d: TokenDelta, now: float) -> Complete:
+        first_token = self.first_token if self.first_token is not None else now
+        return Complete(
+            finish_reason=reason,
+            matched_stop=matched,
+            usage=Usage(
+                prompt_tokens=d.num_prompt_tokens or self.num_prompt_tokens,
+                completion_tokens=d.num_output_tokens,
+                cached_prompt_tokens=d.num_cached_tokens,
+            ),
+            timing=Timing(
+                queue_seconds=max(0.0, (self.first_scheduled or now) - self.arrival),
+                time_to_first_token_seconds=first_token - self.arrival,
+                total_seconds=now - self.arrival,
+            ),
+        )
+
+
+class Deliveries:
+    """Events of one batch, grouped per event loop: one thread-safe wake-up per loop."""
+
+    def __init__(self) -> None:
+        self._by_loop: defaultdict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]]
+        self._by_loop = defaultdict(list)
+
+    def add(self, stream: RequestStream, events: list[Event]) -> None:
+        self._by_loop[stream.loop].extend((stream.queue, event) for event in events)
+
+    def send(self) -> None:
+        for loop, items in self._by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the server's loop is closed: nobody is listening
+                log.warning("event loop closed; dropping events", num_events=len(items))
+        self._by_loop.clear()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for q, event in items:
+        q.put_nowait(event)
+
+
+class OutputStage:
+    """Stage 3 workers plus the registry of live request streams."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        send_abort: Callable[[str], None],
+        metrics: Metrics | None = None,
+        num_workers: int = 1,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._send_abort = send_abort
+        self._metrics = metrics
+        self._inboxes: list[queue.Queue[Inbound]] = [queue.Queue() for _ in range(num_workers)]
+        self._lock = threading.Lock()
+        self._requests: dict[str, RequestState] = {}
+        self._closed = False
+
+    # -- called from the facade (asyncio thread) and stage 2 ---------------------------
+
+    def register(self, req: AddRequest, stream: RequestStream) -> None:
+        """Must happen before the request reaches stage 2, so no output finds it missing."""
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the server is shutting down")
+            self._requests[req.request_id] = RequestState(req, stream, self._tokenizer)
+
+    def release(self, request_id: str) -> bool:
+        """Forget a request (later outputs for it are dropped); False if already gone."""
+        with self._lock:
+            return self._requests.pop(request_id, None) is not None
+
+    def submit(self, msg: StepOutputs | RequestFailed) -> None:
+        """Stage 2's send: never blocks (unbounded queues; bounded upstream by admission)."""
+        n = len(self._inboxes)
+        if n == 1:
+            self._inboxes[0].put(msg)
+        elif isinstance(msg, RequestFailed):
+            self._inboxes[self._shard(msg.request_id)].put(msg)
+        else:
+            for shard, part in _split(msg, n, self._shard).items():
+                self._inboxes[shard].put(part)
+
+    def _shard(self, request_id: str) -> int:
+        return hash(request_id) % len(self._inboxes)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> list[threading.Thread]:
+        threads = [
+            threading.Thread(target=self.run, args=(i,), name=f"headrace-output-{i}", daemon=True)
+            for i in range(len(self._inboxes))
+        ]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def request_stop(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(Shutdown())
+
+    def fail_remaining(self, message: str) -> None:
+        """After the workers stopped: end every stream still open with Unavailable."""
+        with self._lock:
+            self._closed = True
+            states, self._requests = list(self._requests.values()), {}
+        deliveries = Deliveries()
+        for state in states:
+            deliveries.add(state.stream, [Unavailable(message)])
+        deliveries.send()
+
+    # -- the worker -----------------------------------------------------------------------
+
+    def run(self, shard: int) -> None:
+        """Thread entry of one output worker."""
+        try:
+            self.event_loop(shard)
+        except BaseException:
+            log.exception("output worker died", shard=shard)
+            raise
+
+    def event_loop(self, shard: int) -> None:
+        inbox = self._inboxes[shard]
+        while True:
+            batch = _drain(inbox)
+            deliveries = Deliveries()
+            for msg in batch:
+                if isinstance(msg, Shutdown):
+                    deliveries.send()
+                    return
+                if isinstance(msg, StepOutputs):
+                    self._on_step(msg, deliveries)
+                else:
+                    self._on_failed(msg, deliveries)
+            deliveries.send()
+
+    def _on_step(self, step: StepOutputs, deliveries: Deliveries) -> None:
+        if step.stats is not None and self._metrics is not None:
+            self._metrics.observe_engine_stats(step.stats)
+        now = time.monotonic()
+        for delta in step.deltas:
+            state = self._lookup(delta.request_id)
+            if state is None:
+                continue  # cancelled or already ended by a stop string
+            outcome = state.on_delta(delta, step.step_start, now)
+            self._observe(state, outcome, now)
+            deliveries.add(state.stream, outcome.events)
+            if outcome.done:
+                self.release(state.request_id)
+            if outcome.abort_engine:
+                self._send_abort(state.request_id)
+
+    def _on_failed(self, msg: RequestFailed, deliveries: Deliveries) -> None:
+        state = self._lookup(msg.request_id)
+        if state is None:
+            return
+        self.release(msg.request_id)
+        deliveries.add(state.stream, [_error(msg)])
+        if self._metrics is not None:
+            if msg.kind is FailureKind.INVALID_ARGUMENT:
+                self._metrics.observe_rejected("invalid_argument")
+            else:
+                self._metrics.observe_finished(
+                    "error" if msg.kind is FailureKind.ENGINE_FAULT else "abort"
+                )
+
+    def _lookup(self, request_id: str) -> RequestState | None:
+        with self._lock:
+            return self._requests.get(request_id)
+
+    def _observe(self, state: RequestState, outcome: Outcome, now: float) -> None:
+        """Latency metrics: TTFT/queue at the first token chunk, ITL after, e2e at the end."""
+        chunk = next((e for e in outcome.events if isinstance(e, Chunk) and e.token_ids), None)
+        if chunk is not None:
+            if state.first_token is None:
+                state.first_token = now
+                if self._metrics is not None:
+                    queue_s = (state.first_scheduled or now) - state.arrival
+                    self._metrics.observe_first_token(queue_s, now - state.arrival)
+            elif self._metrics is not None and state.last_token is not None:
+                self._metrics.observe_inter_token(now - state.last_token, len(chunk.token_ids))
+            state.last_token = now
+        if outcome.done and self._metrics is not None:
+            final = outcome.events[-1]
+            reason = final.finish_reason if isinstance(final, Complete) else "error"
+            self._metrics.observe_finished(reason, now - state.arrival)
+
+
+def _drain(inbox: queue.Queue[Inbound], limit: int = 64) -> list[Inbound]:
+    """Block for one message, then take what else is queued: one delivery per batch."""
+    batch = [inbox.get()]
+    while len(batch) < limit:
+        try:
+            batch.append(inbox.get_nowait())
+        except queue.Empty:
+            break
+    return batch
+
+
+def _split(step: StepOutputs, n: int, shard_of: Callable[[str], int]) -> dict[int, StepOutputs]:
+    """One StepOutputs per shard with deltas (shard 0 always, as it mirrors the stats)."""
+    parts: dict[int, list[TokenDelta]] = {0: []}
+    for delta in step.deltas:
+        parts.setdefault(shard_of(delta.request_id), []).append(delta)
+    return {
+        shard: StepOutputs(
+            tuple(deltas), step.step_start, step.step_end, step.stats if shard == 0 else None
+        )
+        for shard, deltas in parts.items()
+    }
+
+
+def _error(msg: RequestFailed) -> RequestError:
+    if msg.kind is FailureKind.INVALID_ARGUMENT:
+        return InvalidArgument(msg.message, field=msg.field)
+    if msg.kind is FailureKind.UNAVAILABLE:
+        return Unavailable(msg.message)
+    return EngineFault(msg.message)

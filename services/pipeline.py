@@ -1,0 +1,255 @@
+"""The serving pipeline's facade: what the gRPC servicer calls.
+
+It wires the three stages (PPL.LLM style) around one engine:
+
+    generate() --tokenize pool (stage 1)--> AddRequest --> step loop (stage 2, owns the
+    engine) --> StepOutputs --> output pool (stage 3: detokenize, stop strings)
+    --> the request's asyncio queue --> generate() yields Chunk..., Complete
+
+Admission is bounded (``max_pending``), so overload answers RESOURCE_EXHAUSTED instead
+of growing queues. A consumer that stops early (aclose, cancellation) sends an
+``Abort`` to stage 2, which frees the request's KV blocks at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+
+from compute.messages import Abort, AddRequest, Shutdown
+from compute.step_loop import Inbound, StepLoop, run_step_loop
+from services.domain import (
+    ChatMessage,
+    Chunk,
+    Complete,
+    GenerateInput,
+    InvalidArgument,
+    ModelInfo,
+    RequestError,
+    ResourceExhausted,
+    Unavailable,
+)
+from services.metrics import Metrics
+from services.output_stage import OutputStage, RequestStream
+from services.tokenize_stage import TokenizeStage
+
+if TYPE_CHECKING:  # the engine module pulls in torch and the model
+    from compute.engine import Engine, EngineStats
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    max_pending: int = 256  # requests admitted and not finished; beyond -> RESOURCE_EXHAUSTED
+    tokenize_workers: int = 2  # stage-1 threads
+    output_workers: int = 1  # stage-3 threads (requests are sharded, so each stays ordered)
+
+    def __post_init__(self) -> None:
+        for name in ("max_pending", "tokenize_workers", "output_workers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class Admission:
+    """Counts requests admitted and not finished, and how long that count was non-zero."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._count = 0
+        self._since: float | None = None  # when the count last left zero
+        self._active_total = 0.0  # seconds with a non-zero count, closed intervals only
+
+    def try_acquire(self) -> bool:
+        with self._lock:
+            if self._count >= self._limit:
+                return False
+            if self._count == 0:
+                self._since = time.monotonic()
+            self._count += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count == 0 and self._since is not None:
+                self._active_total += time.monotonic() - self._since
+                self._since = None
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def active_since(self) -> float | None:
+        return self._since
+
+    def active_seconds(self) -> float:
+        with self._lock:
+            ongoing = time.monotonic() - self._since if self._since is not None else 0.0
+            return self._active_total + ongoing
+
+
+class Pipeline:
+    """Three stages around one engine; ``generate`` streams one request's events."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: PipelineConfig = PipelineConfig(),
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._admission = Admission(config.max_pending)
+        self._inbox: queue.Queue[Inbound] = queue.Queue()
+        vocab, max_len = engine.model_config.vocab_size, engine.max_model_len
+        self._stage1 = TokenizeStage(engine.tokenizer, vocab, max_len, config.tokenize_workers)
+        self._stage3 = OutputStage(engine.tokenizer, self._abort, metrics, config.output_workers)
+        self._stage2 = StepLoop(
+            engine, self._inbox, self._stage3.submit, self._admission.active_since
+        )
+        self._ids = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._state = "new"  # -> "running" -> "stopped"
+        if metrics is not None:
+            metrics.bind_step_loop_idle_ratio(self.step_loop_idle_fraction)
+
+    def start(self) -> None:
+        if self._state != "new":
+            raise RuntimeError(f"pipeline is {self._state}; start() it once")
+        self._threads = [run_step_loop(self._stage2), *self._stage3.start()]
+        self._state = "running"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the stages; requests still in flight end with Unavailable."""
+        if self._state != "running":
+            self._state = "stopped"
+            return
+        self._state = "stopped"
+        deadline = time.monotonic() + timeout
+        self._inbox.put(Shutdown())
+        self._threads[0].join(max(0.0, deadline - time.monotonic()))
+        self._stage3.request_stop()
+        for thread in self._threads[1:]:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            log.warning("pipeline threads did not stop in time", threads=alive)
+        self._stage3.fail_remaining("the server is shutting down")
+        self._stage1.shutdown()
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk | Complete]:
+        """Chunk(s) then exactly one Complete; RequestError subclasses for failures."""
+        arrival = time.monotonic()
+        self._admit()
+        request_id = f"{inp.request_id}#{next(self._ids)}"
+        stream: RequestStream | None = None
+        ended = False
+        try:
+            req = await self._prepare(inp, request_id, arrival)
+            stream = self._submit(req)
+            while not ended:
+                event = await stream.get()
+                if isinstance(event, RequestError):
+                    ended = True
+                    raise event
+                ended = isinstance(event, Complete)
+                yield event
+        finally:
+            if stream is not None and not ended:
+                self._cancel(request_id)
+            self._admission.release()
+
+    async def tokenize(
+        self,
+        prompt: str | None,
+        chat: tuple[ChatMessage, ...] | None,
+        add_generation_prompt: bool = True,
+    ) -> tuple[list[int], list[str]]:
+        if self._state == "stopped":
+            raise Unavailable("the server is shutting down")
+        return await self._stage1.tokenize(prompt, chat, add_generation_prompt)
+
+    def model_info(self) -> ModelInfo:
+        engine, model = self._engine, self._engine.model_config
+        return ModelInfo(
+            model_name=model.name,
+            architecture=model.architecture,
+            max_model_len=engine.max_model_len,
+            vocab_size=model.vocab_size,
+            eos_token_ids=tuple(model.eos_token_ids),
+            dtype=str(engine.dtype).removeprefix("torch."),
+            device=str(engine.device),
+            block_size=engine.block_size,
+            kv_cache_capacity_tokens=engine.num_blocks * engine.block_size,
+        )
+
+    def engine_stats(self) -> EngineStats:
+        return self._stage2.stats
+
+    @property
+    def num_pending(self) -> int:
+        return self._admission.count
+
+    def step_loop_idle_fraction(self) -> float:
+        active = self._admission.active_seconds()
+        return min(1.0, self._stage2.idle_seconds / active) if active > 0 else 0.0
+
+    # -- generate's steps -------------------------------------------------------------
+
+    def _admit(self) -> None:
+        if self._state != "running" or self._stage2.crashed:
+            self._reject("unavailable")
+            raise Unavailable("the server is not accepting requests")
+        if not self._admission.try_acquire():
+            self._reject("resource_exhausted")
+            raise ResourceExhausted(
+                f"too many requests in flight (max_pending={self._admission.limit})"
+            )
+
+    async def _prepare(self, inp: GenerateInput, request_id: str, arrival: float) -> AddRequest:
+        try:
+            return await self._stage1.prepare(inp, request_id, arrival)
+        except InvalidArgument:
+            self._reject("invalid_argument")
+            raise
+        except RuntimeError as exc:
+            if self._state == "stopped":  # the pool was shut down under us
+                raise Unavailable("the server is shutting down") from exc
+            raise
+
+    def _submit(self, req: AddRequest) -> RequestStream:
+        """Register with stage 3 first, so stage 2's first output always finds the stream."""
+        stream = RequestStream(asyncio.get_running_loop())
+        self._stage3.register(req, stream)
+        self._inbox.put(req)
+        return stream
+
+    def _cancel(self, request_id: str) -> None:
+        if not self._stage3.release(request_id):
+            return  # it had ended already (its last event was left unread)
+        self._inbox.put(Abort(request_id, "cancelled"))
+        if self._metrics is not None:
+            self._metrics.observe_finished("abort")
+        log.info("request cancelled", request_id=request_id)
+
+    def _abort(self, request_id: str) -> None:
+        """Stage 3's way back to stage 2 (a stop string ended the request)."""
+        self._inbox.put(Abort(request_id, "stop_string"))
+
+    def _reject(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_rejected(reason)

@@ -1,0 +1,153 @@
+"""Stage 1: the tokenize pool, from a ``GenerateInput`` to an ``AddRequest``.
+
+Input-level validation (exactly one prompt form, known chat roles, token ids inside
+the vocabulary, prompt + max_tokens within the context), the chat template and
+tokenization run on a small thread pool so the asyncio loop and the step loop never
+wait for them. A bad request fails here with ``InvalidArgument`` naming the field,
+before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import jinja2
+
+from compute.messages import AddRequest
+from compute.tokenizer import Tokenizer
+from services.domain import ChatMessage, GenerateInput, InvalidArgument
+
+T = TypeVar("T")
+
+
+class TokenizeStage:
+    """Validates and tokenizes requests on ``num_workers`` threads."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        max_model_len: int,
+        num_workers: int = 2,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._max_model_len = max_model_len
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="headrace-tokenize")
+
+    async def prepare(self, inp: GenerateInput, request_id: str, arrival: float) -> AddRequest:
+        """The engine-ready request; InvalidArgument(field=...) for bad input."""
+        return await self._in_pool(self.build_request, inp, request_id, arrival)
+
+    async def tokenize(
+        self,
+        prompt: str | None,
+        chat: tuple[ChatMessage, ...] | None,
+        add_generation_prompt: bool = True,
+    ) -> tuple[list[int], list[str]]:
+        """Token ids of a prompt or chat, and each id's token string."""
+        return await self._in_pool(self.tokenize_now, prompt, chat, add_generation_prompt)
+
+    def shutdown(self) -> None:
+        # Queued jobs still run (they are short): their callers then meet the closed
+        # output stage and get Unavailable rather than a bare CancelledError.
+        self._pool.shutdown(wait=False)
+
+    async def _in_pool(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # -- runs on a pool thread ----------------------------------------------------------
+
+    def build_request(self, inp: GenerateInput, request_id: str, arrival: float) -> AddRequest:
+        field, ids = self._prompt_ids(inp)
+        self._check_ids(field, ids)
+        params = inp.params.with_max_tokens_for(len(ids), self._max_model_len)
+        self._check_length(field, len(ids), params.max_tokens)
+        self._check_params(inp)
+        return AddRequest(request_id, tuple(ids), params, inp.priority, arrival)
+
+    def tokenize_now(
+        self, prompt: str | None, chat: tuple[ChatMessage, ...] | None, add_generation_prompt: bool
+    ) -> tuple[list[int], list[str]]:
+        if (prompt is None) == (chat is None):
+            raise InvalidArgument("prompt: exactly one of prompt and chat must be set", "prompt")
+        if chat is not None:
+            ids = self._chat_ids(chat, add_generation_prompt)
+        else:
+            ids = self._require_tokenizer("prompt").encode(prompt) if prompt else []
+        tokenizer = self._require_tokenizer("prompt")
+        return ids, [tokenizer.id_to_token(i) for i in ids]
+
+    def _prompt_ids(self, inp: GenerateInput) -> tuple[str, list[int]]:
+        """(name of the field the prompt came in, its token ids)."""
+        forms = [f for f in ("prompt", "token_ids", "chat") if getattr(inp, f) is not None]
+        if len(forms) != 1:
+            raise InvalidArgument(
+                "prompt: exactly one of prompt, token_ids and chat must be set", "prompt"
+            )
+        field = forms[0]
+        if not getattr(inp, field):
+            raise InvalidArgument(f"{field}: must not be empty", field)
+        if field == "token_ids":
+            return field, list(inp.token_ids)
+        if field == "chat":
+            return field, self._chat_ids(inp.chat, inp.add_generation_prompt)
+        return field, self._require_tokenizer(field).encode(inp.prompt)
+
+    def _chat_ids(self, chat: tuple[ChatMessage, ...], add_generation_prompt: bool) -> list[int]:
+        tokenizer = self._require_tokenizer("chat")
+        if not chat:
+            raise InvalidArgument("chat: must not be empty", "chat")
+        for i, message in enumerate(chat):
+            if message.role not in tokenizer.chat_roles:
+                roles = ", ".join(sorted(tokenizer.chat_roles))
+                raise InvalidArgument(
+                    f"chat: message {i} has unknown role {message.role!r} (expected {roles})",
+                    "chat",
+                )
+        messages = [{"role": m.role, "content": m.content} for m in chat]
+        try:
+            return tokenizer.encode_chat(messages, add_generation_prompt)
+        except (jinja2.TemplateError, ValueError) as exc:  # e.g. the template's own checks
+            raise InvalidArgument(f"chat: {exc}", "chat") from exc
+
+    def _require_tokenizer(self, field: str) -> Tokenizer:
+        if self._tokenizer is None:
+            raise InvalidArgument(f"{field}: this model has no tokenizer; send token_ids", field)
+        return self._tokenizer
+
+    def _check_ids(self, field: str, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidArgument(f"{field}: tokenizes to no tokens", field)
+        bad = next((t for t in ids if not 0 <= t < self._vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(
+                f"{field}: token id {bad} is outside the vocabulary [0, {self._vocab_size})", field
+            )
+
+    def _check_length(self, field: str, num_prompt: int, max_tokens: int) -> None:
+        limit = self._max_model_len
+        if num_prompt >= limit:
+            raise InvalidArgument(
+                f"{field}: {num_prompt} prompt tokens leave no room in the {limit}-token context",
+                field,
+            )
+        if num_prompt + max_tokens > limit:
+            raise InvalidArgument(
+                f"max_tokens: {num_prompt} prompt tokens + max_tokens {max_tokens} exceed the "
+                f"model's {limit}-token context",
+                "max_tokens",
+            )
+
+    def _check_params(self, inp: GenerateInput) -> None:
+        bad = next((t for t in inp.params.stop_token_ids if t >= self._vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(
+                f"stop_token_ids: {bad} is outside the vocabulary [0, {self._vocab_size})",
+                "stop_token_ids",
+            )
+        if inp.params.stop and self._tokenizer is None:
+            raise InvalidArgument("stop: stop strings need a model with a tokenizer", "stop")

@@ -1,0 +1,78 @@
+"""The Prometheus exposition parses and carries every headrace_* metric."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from compute.engine import EngineStats
+from services.metrics import Metrics
+
+EXPECTED_SAMPLES = {
+    "headrace_requests_running",
+    "headrace_requests_waiting",
+    "headrace_kv_cache_usage_ratio",
+    "headrace_step_loop_idle_ratio",
+    "headrace_prefix_cache_hit_tokens_total",
+    "headrace_preemptions_total",
+    "headrace_prompt_tokens_total",
+    "headrace_generation_tokens_total",
+    "headrace_requests_finished_total",
+    "headrace_requests_rejected_total",
+    "headrace_queue_time_seconds_count",
+    "headrace_time_to_first_token_seconds_count",
+    "headrace_inter_token_latency_seconds_count",
+    "headrace_e2e_request_latency_seconds_count",
+}
+
+
+def stats(**overrides: float) -> EngineStats:
+    base = dict(
+        num_running=3, num_waiting=2, num_swapped=0, num_blocks=100, num_free_blocks=60,
+        block_size=16, kv_usage=0.4, kv_slots_allocated=640, kv_slots_used=600,
+        num_preemptions=1, prefix_cache_hit_tokens=32, prompt_tokens=100, generation_tokens=50,
+    )  # fmt: skip
+    return EngineStats(**{**base, **overrides})
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    text = metrics.render().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_exposition_parses_and_has_every_metric() -> None:
+    metrics = Metrics()
+    metrics.bind_step_loop_idle_ratio(lambda: 0.25)
+    metrics.observe_engine_stats(stats())
+    metrics.observe_first_token(0.01, 0.05)
+    metrics.observe_inter_token(0.02, 2)
+    metrics.observe_finished("length", 1.5)
+    metrics.observe_rejected("resource_exhausted")
+    found = samples(metrics)
+    assert not EXPECTED_SAMPLES - {name for name, _ in found}
+    assert found[("headrace_step_loop_idle_ratio", ())] == 0.25
+    assert found[("headrace_requests_running", ())] == 3
+    assert found[("headrace_kv_cache_usage_ratio", ())] == 0.4
+    assert found[("headrace_requests_finished_total", (("finish_reason", "length"),))] == 1
+    assert found[("headrace_requests_rejected_total", (("reason", "resource_exhausted"),))] == 1
+    assert found[("headrace_inter_token_latency_seconds_count", ())] == 2
+
+
+def test_cumulative_engine_stats_become_counter_increments() -> None:
+    metrics = Metrics()
+    metrics.observe_engine_stats(stats(generation_tokens=50, num_preemptions=1))
+    metrics.observe_engine_stats(stats(generation_tokens=80, num_preemptions=1))
+    found = samples(metrics)
+    assert found[("headrace_generation_tokens_total", ())] == 80
+    assert found[("headrace_preemptions_total", ())] == 1
+    assert found[("headrace_prefix_cache_hit_tokens_total", ())] == 32
+
+
+def test_registries_are_independent() -> None:
+    first, second = Metrics(), Metrics()
+    first.observe_rejected("unavailable")
+    assert ("headrace_requests_rejected_total", (("reason", "unavailable"),)) in samples(first)
+    assert ("headrace_requests_rejected_total", (("reason", "unavailable"),)) not in samples(second)
