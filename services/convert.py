@@ -1,0 +1,213 @@
+"""Protobuf <-> domain records for the GenerationService (the servicer's two halves).
+
+``to_input`` validates what the wire format alone can tell (a missing input, an
+empty prompt, an unknown chat role, sampling ranges via ``SamplingParams``) and
+raises ``InvalidArgument`` naming the field by its path in the request. Checks
+that need the model (prompt length, vocabulary) happen in the pipeline; its
+field names are mapped to request paths by ``request_field``.
+"""
+
+from __future__ import annotations
+
+from compute.outputs import TokenLogprob
+from compute.sampling_params import SamplingParams
+from services.domain import (
+    ChatMessage,
+    Chunk,
+    Complete,
+    GenerateInput,
+    InvalidArgument,
+    ModelInfo,
+)
+from services.gen.headrace.v1 import generation_pb2 as pb
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_REQUEST_ID_CHARS = 128
+# The optional fields of SamplingParams / StoppingCriteria that map 1:1 onto SamplingParams.
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
+_STOPPING_FIELDS = (
+    "max_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+)
+# Where each domain field (SamplingParams, GenerateInput) lives in a GenerateRequest.
+_FIELD_PATHS = {
+    "token_ids": "token_ids.ids",
+    **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
+    **{name: f"stopping.{name}" for name in _STOPPING_FIELDS},
+}
+_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+def request_field(field: str | None) -> str | None:
+    """The request path of a domain field name (``max_tokens`` -> ``stopping.max_tokens``)."""
+    if field is None:
+        return None
+    head, dot, rest = field.partition(".")
+    return _FIELD_PATHS.get(head, head) + dot + rest
+
+
+def invalid(field: str, rule: str) -> InvalidArgument:
+    return InvalidArgument(f"{field}: {rule}", field=field)
+
+
+def to_input(request: pb.GenerateRequest, request_id: str) -> GenerateInput:
+    """A validated GenerateInput; InvalidArgument names the offending request field."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+    return GenerateInput(
+        request_id=request_id,
+        **_prompt(request),
+        params=sampling_params(request),
+        priority=request.priority,
+    )
+
+
+def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> dict:
+    kind = request.WhichOneof("input")
+    if kind is None:
+        names = ", ".join(f.name for f in request.DESCRIPTOR.oneofs_by_name["input"].fields)
+        raise invalid("input", f"one of {names} is required")
+    if kind == "prompt":
+        if not request.prompt:
+            raise invalid("prompt", "must not be empty")
+        return {"prompt": request.prompt}
+    if kind == "token_ids":
+        if not request.token_ids.ids:
+            raise invalid("token_ids.ids", "must not be empty")
+        return {"token_ids": tuple(request.token_ids.ids)}
+    return {
+        "chat": chat_messages(request.chat),
+        "add_generation_prompt": (
+            request.chat.add_generation_prompt
+            if request.chat.HasField("add_generation_prompt")
+            else True
+        ),
+    }
+
+
+def chat_messages(chat: pb.Chat) -> tuple[ChatMessage, ...]:
+    if not chat.messages:
+        raise invalid("chat.messages", "must not be empty")
+    for i, message in enumerate(chat.messages):
+        if message.role not in CHAT_ROLES:
+            raise invalid(
+                f"chat.messages[{i}].role",
+                f"must be one of {', '.join(CHAT_ROLES)} (got {message.role!r})",
+            )
+    return tuple(ChatMessage(role=m.role, content=m.content) for m in chat.messages)
+
+
+def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+    """SamplingParams from the optional fields (unset ones keep the documented defaults)."""
+    sampling, stopping = request.sampling, request.stopping
+    values: dict = {
+        name: getattr(sampling, name) for name in _SAMPLING_FIELDS if sampling.HasField(name)
+    }
+    if stopping.HasField("max_tokens"):
+        values["max_tokens"] = stopping.max_tokens
+    if values.get("top_k") == 0:
+        values["top_k"] = -1  # both mean "all tokens"; keep one spelling downstream
+    try:
+        return SamplingParams(
+            **values,
+            stop=tuple(stopping.stop),
+            stop_token_ids=tuple(stopping.stop_token_ids),
+            ignore_eos=stopping.ignore_eos,
+            include_stop_str_in_output=stopping.include_stop_str_in_output,
+            logprobs=request.logprobs or request.top_logprobs > 0,
+            top_logprobs=request.top_logprobs,
+        )
+    except ValueError as exc:
+        # SamplingParams says "<field>: <rule>"; name the field by its request path.
+        field, _, rule = str(exc).partition(": ")
+        raise invalid(request_field(field) or field, rule) from None
+
+
+def chunk_to_pb(chunk: Chunk) -> pb.Chunk:
+    tokens, top_tokens = chunk.tokens, chunk.top_tokens
+    return pb.Chunk(
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        logprobs=[
+            _logprob_to_pb(
+                lp,
+                tokens[i] if i < len(tokens) else "",
+                top_tokens[i] if i < len(top_tokens) else (),
+            )
+            for i, lp in enumerate(chunk.logprobs)
+        ],
+    )
+
+
+def _logprob_to_pb(lp: TokenLogprob, token: str, top_tokens: tuple[str, ...]) -> pb.TokenLogprob:
+    texts = list(top_tokens) + [""] * (len(lp.top) - len(top_tokens))
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        token=token,
+        logprob=lp.logprob,
+        top_logprobs=[
+            pb.TopLogprob(token_id=t, token=text, logprob=v)
+            for (t, v), text in zip(lp.top, texts, strict=True)
+        ],
+    )
+
+
+def complete_to_pb(complete: Complete) -> pb.Complete:
+    usage, timing = complete.usage, complete.timing
+    return pb.Complete(
+        finish_reason=_FINISH_REASONS.get(complete.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        matched_stop=complete.matched_stop,
+        usage=pb.Usage(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_prompt_tokens=usage.cached_prompt_tokens,
+        ),
+        timing=pb.Timing(
+            queue_seconds=timing.queue_seconds,
+            time_to_first_token_seconds=timing.time_to_first_token_seconds,
+            total_seconds=timing.total_seconds,
+        ),
+    )
+
+
+def event_fields(event: Chunk | Complete) -> dict:
+    """The ``response`` oneof of a Generate/GenerateBatch response for one pipeline event."""
+    if isinstance(event, Complete):
+        return {"complete": complete_to_pb(event)}
+    return {"chunk": chunk_to_pb(event)}
+
+
+def tokenize_args(request: pb.TokenizeRequest) -> dict:
+    """Keyword arguments of Pipeline.tokenize for a TokenizeRequest."""
+    prompt = _prompt(request)
+    return {
+        "prompt": prompt.get("prompt"),
+        "chat": prompt.get("chat"),
+        "add_generation_prompt": prompt.get("add_generation_prompt", True),
+    }
+
+
+def model_info_to_pb(info: ModelInfo) -> pb.GetModelInfoResponse:
+    return pb.GetModelInfoResponse(
+        model_name=info.model_name,
+        architecture=info.architecture,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        dtype=info.dtype,
+        device=info.device,
+        block_size=info.block_size,
+        kv_cache_capacity_tokens=info.kv_cache_capacity_tokens,
+    )

@@ -1,0 +1,219 @@
+"""The gRPC server: GenerationService, health, reflection, /metrics, graceful drain.
+
+``Server`` wires a started pipeline into a grpc.aio server. On SIGTERM or
+SIGINT, ``serve`` drains: health turns NOT_SERVING, new GenerationService calls
+get UNAVAILABLE "server is draining", streams in flight get ``grace_period``
+seconds to finish, then the server stops (a second signal skips the wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+import prometheus_client
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.domain import Unavailable
+from services.gen.headrace.v1 import generation_pb2 as pb
+from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
+from services.log import get_logger
+from services.server_config import ServerConfig
+from services.servicer import GenerationServicer
+from services.status import SERVICE_PREFIX, Continuation, StatusInterceptor, wrap_handler
+
+if TYPE_CHECKING:
+    from compute.config import EngineConfig
+    from services.metrics import Metrics
+    from services.pipeline import Pipeline, PipelineConfig
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# Clients may ping every 10 s (5 s leaves room for jitter) even with no call open;
+# the server pings idle connections itself so that vanished clients are noticed and
+# their generations cancelled.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+log = get_logger(__name__)
+
+
+class DrainGate(grpc.aio.ServerInterceptor):
+    """Counts GenerationService calls in flight; refuses new ones once draining."""
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.draining = False
+        self._metrics = metrics
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def intercept_service(
+        self, continuation: Continuation, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if not details.method.startswith(SERVICE_PREFIX):
+            return handler  # health and reflection keep answering while draining
+        return wrap_handler(handler, self._admit)
+
+    @contextlib.asynccontextmanager
+    async def _admit(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        if self.draining:
+            if self._metrics is not None:
+                self._metrics.observe_rejected("draining")
+            raise Unavailable("server is draining")
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no call is in flight; False when ``timeout`` seconds pass first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+class Server:
+    """A started pipeline behind a grpc.aio server (must be used on one event loop)."""
+
+    def __init__(
+        self, pipeline: Pipeline, config: ServerConfig | None = None, metrics: Metrics | None = None
+    ) -> None:
+        self.config = config or ServerConfig()
+        self.port = 0  # the bound gRPC port, known after start()
+        self.metrics_port: int | None = None  # the bound metrics port, when serving metrics
+        self._pipeline = pipeline
+        self._metrics = metrics
+        self._gate = DrainGate(metrics)
+        self._health = health.aio.HealthServicer()
+        self._http: WSGIServer | None = None
+        self._hurry = asyncio.Event()
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        """Bind, start answering, report SERVING, and start the metrics endpoint."""
+        self._server = grpc.aio.server(
+            interceptors=[StatusInterceptor(), self._gate],  # first = outermost
+            options=[
+                ("grpc.max_send_message_length", self.config.max_message_bytes),
+                ("grpc.max_receive_message_length", self.config.max_message_bytes),
+                *KEEPALIVE_OPTIONS,
+            ],
+        )
+        pb_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self._pipeline, self.config, self._metrics), self._server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+        self.port = self._server.add_insecure_port(self.config.address)
+        await self._server.start()
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._start_metrics()
+        log.info("serving", address=self.config.address, port=self.port)
+
+    def _start_metrics(self) -> None:
+        if self._metrics is None or self.config.metrics_port < 0:
+            return
+        self._http, _ = prometheus_client.start_http_server(
+            self.config.metrics_port, addr=self.config.host, registry=self._metrics.registry
+        )
+        self.metrics_port = self._http.server_port
+
+    async def drain(self, grace_period: float | None = None) -> None:
+        """NOT_SERVING, refuse new calls, let calls in flight finish (bounded), then stop."""
+        grace = self.config.grace_period if grace_period is None else grace_period
+        await self._health.enter_graceful_shutdown()
+        self._gate.draining = True
+        log.info("draining", in_flight=self._gate.in_flight, grace_period=grace)
+        hurry = asyncio.create_task(self._hurry.wait())
+        idle = asyncio.create_task(self._gate.wait_idle(grace))
+        await asyncio.wait((hurry, idle), return_when=asyncio.FIRST_COMPLETED)
+        hurry.cancel()
+        if not (idle.done() and idle.result()):
+            idle.cancel()
+            log.warning("grace period over, cancelling calls", in_flight=self._gate.in_flight)
+        await self.stop()
+
+    def hurry(self) -> None:
+        """Cut a drain's grace period short (a second SIGTERM/SIGINT)."""
+        self._hurry.set()
+
+    async def stop(self) -> None:
+        """Stop at once: calls still open are cancelled (their requests aborted)."""
+        if self._server is not None:
+            await self._server.stop(grace=None)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        log.info("stopped")
+
+    @property
+    def draining(self) -> bool:
+        return self._gate.draining
+
+
+async def serve(
+    pipeline: Pipeline,
+    config: ServerConfig,
+    metrics: Metrics | None = None,
+    on_ready: Callable[[Server], None] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and return."""
+    server = Server(pipeline, config, metrics)
+    await server.start()
+    signalled = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if signalled.is_set():
+            server.hurry()
+        signalled.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    if on_ready is not None:
+        on_ready(server)
+    await signalled.wait()
+    await server.drain()
+
+
+def run(
+    engine_config: EngineConfig,
+    pipeline_config: PipelineConfig,
+    server_config: ServerConfig,
+    on_ready: Callable[[Server], None] | None = None,
+) -> None:
+    """Load the engine, start the pipeline, serve until a signal, drain, shut down."""
+    from compute.engine import Engine
+    from services.metrics import Metrics
+    from services.pipeline import Pipeline
+
+    metrics = Metrics()
+    pipeline = Pipeline(Engine(engine_config), pipeline_config, metrics)
+    pipeline.start()
+    try:
+        asyncio.run(serve(pipeline, server_config, metrics, on_ready))
+    finally:
+        pipeline.stop()

@@ -1,0 +1,38 @@
+"""The gRPC server's knobs: one frozen dataclass, validated once.
+
+services/cli.py maps ``--flags`` and ``HEADRACE_*`` variables onto it; the
+server (services/server.py) and servicer read it and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"  # interface for the gRPC and metrics listeners
+    port: int = 50051  # gRPC port; 0 = any free port (tests)
+    metrics_port: int = 9400  # Prometheus /metrics port; 0 = any free port, -1 = off
+    max_message_bytes: int = 16 * MIB  # largest gRPC message sent or received
+    grace_period: float = 30.0  # seconds streams in flight get to finish on SIGTERM
+    max_batch_requests: int = 64  # most requests in one GenerateBatch call
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.grace_period < 0:
+            raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")
+        if self.max_batch_requests <= 0:
+            raise ValueError(f"max_batch_requests must be positive, got {self.max_batch_requests}")
+
+    @property
+    def address(self) -> str:
+        """The gRPC listen address, IPv6 hosts bracketed."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
