@@ -1,0 +1,388 @@
+// Decode paged attention: one query token per sequence over its block table.
+//
+// Layout and mask semantics: kernels/metadata.py. A sequence is a decode
+// sequence when it owns exactly one query row (query_start_loc[s+1] -
+// query_start_loc[s] == 1); blocks of other sequences return at once, so the
+// prefill kernel can serve them in the same step without an index list.
+//
+// Kernel 1, paged_attention_decode_<dtype>_d<D>_b<B>:
+//   grid  (num_kv_heads * group_chunks, num_seqs, max_partitions)
+//   block 128 threads (4 warps)
+//   One thread block serves one (sequence, KV head, partition of 512 tokens)
+//   and up to kMaxGroup query heads of that KV head's group, so each K/V byte
+//   is read once per group (group_chunks = ceil(group / kMaxGroup) is 1 for
+//   every group size up to 8). Warps take whole cache blocks in turn. Within
+//   a warp, kLanesPerKey lanes hold one key row, 16 bytes each, and every lane
+//   holds kKeysPerLane keys at a time so that one query read from shared
+//   memory serves four keys, and the per-key sums across lanes are done by a
+//   reduce-scatter (5 shuffles for 4 keys over 16 lanes instead of 16).
+//   Scores, softmax and accumulators are fp32; the softmax runs in base 2
+//   on scores pre-multiplied by log2(e).
+//   The partition size is fixed, not tuned to the batch, so that a sequence's
+//   result does not depend on what else is in its batch (batch invariance).
+//   A sequence with one partition writes its output directly; with several,
+//   each partition writes (max, sum, normalized output) to fp32 workspaces
+//   for kernel 2. Context length 0 (CUDA-graph padding rows) writes zeros.
+//
+// Kernel 2, paged_attention_decode_reduce_<dtype>_d<D>:
+//   grid (num_heads, num_seqs), block D threads. Merges the partitions of
+//   sequences with more than one: M = max_p m_p, w_p = l_p * 2^(m_p - M),
+//   out = sum_p w_p o_p / sum_p w_p.
+#include "common.cuh"
+
+namespace hr {
+
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeWarps = kDecodeThreads / kWarpSize;
+constexpr int kPartitionSize = 512;
+constexpr int kMaxGroup = 8;
+constexpr int kKeysPerLane = 4;
+
+template <typename T, int D, int B>
+struct DecodeShape {
+  static constexpr int kVec = Vec16<T>::kSize;                  // elements per 16-byte load
+  static constexpr int kLanesPerKey = D / kVec;                 // lanes holding one key row
+  static constexpr int kKeysPerRow = kWarpSize / kLanesPerKey;  // keys one warp load covers
+  static constexpr int kKeysPerIter = kKeysPerLane * kKeysPerRow;
+  // A lane's query slice sits at a padded stride (in float4s) so that the 8
+  // lanes of a quarter-warp reading 32 bytes each hit distinct banks.
+  static constexpr int kQStride4 = kVec > 4 ? kVec / 4 + 1 : kVec / 4;
+  static_assert(D % kVec == 0 && kLanesPerKey <= kWarpSize, "head dim vs warp");
+  static_assert(kLanesPerKey >= kKeysPerLane, "reduce-scatter needs a lane per key");
+  static_assert(B % kKeysPerIter == 0, "block size vs keys per warp iteration");
+  static_assert(kDecodeWarps * D <= kPartitionSize, "output reduction reuses the logits");
+};
+
+// Shared memory of one thread block (about 20 KB for D = 128).
+template <int D>
+struct DecodeSmem {
+  float4 q[kMaxGroup][(D + D / 2) / 4];     // scaled queries, padded stride (see kQStride4)
+  float logits[kMaxGroup][kPartitionSize];  // scores, then probabilities, then partial outputs
+  float head_max[kMaxGroup];
+  float head_sum[kMaxGroup];
+};
+
+// Which (sequence, heads, partition) this thread block serves.
+struct DecodeWork {
+  int seq, part, kv_head, head0, heads, q_row, ctx, parts, tok_begin, tok_end;
+};
+
+// Sums N values per lane over groups of LANES lanes; afterwards this lane
+// holds the full sum of key `which` (the lanes of a group split the keys).
+template <int N, int LANES>
+__device__ __forceinline__ float reduce_scatter_sum(float (&v)[N], int lane, int& which) {
+  which = 0;
+#pragma unroll
+  for (int half = N / 2, mask = LANES / 2; half >= 1; half /= 2, mask /= 2) {
+    const bool upper = (lane & mask) != 0;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      // Lower lanes keep keys [0, half), upper lanes [half, 2 * half); each
+      // sends its partner the half the partner keeps.
+      const float send = upper ? v[i] : v[i + half];
+      const float keep = upper ? v[i + half] : v[i];
+      v[i] = keep + __shfl_xor_sync(kFullMask, send, mask);
+    }
+    which += upper ? half : 0;
+  }
+  float sum = v[0];
+#pragma unroll
+  for (int mask = LANES / (2 * N); mask >= 1; mask /= 2) {
+    sum += __shfl_xor_sync(kFullMask, sum, mask);
+  }
+  return sum;
+}
+
+template <typename T, int D, int B>
+__device__ __forceinline__ void load_queries(DecodeSmem<D>& sm, const DecodeWork& w,
+                                             const T* __restrict__ query, int num_heads,
+                                             float scale_log2) {
+  using S = DecodeShape<T, D, B>;
+  const T* q = query + static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D;
+  for (int i = threadIdx.x; i < w.heads * D; i += kDecodeThreads) {
+    const int g = i / D, d = i % D;
+    float* row = reinterpret_cast<float*>(sm.q[g]);
+    row[(d / S::kVec) * S::kQStride4 * 4 + d % S::kVec] = to_float(q[i]) * scale_log2;
+  }
+}
+
+// Phase 1: logits[g][t - tok_begin] = log2(e) * scale * q_g . k_t for the
+// partition's tokens t < tok_end.
+template <typename T, int D, int B>
+__device__ __forceinline__ void score_keys(DecodeSmem<D>& sm, const DecodeWork& w,
+                                           const T* __restrict__ key_cache,
+                                           const int* __restrict__ table, int num_kv_heads) {
+  using S = DecodeShape<T, D, B>;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int key_in_row = lane / S::kLanesPerKey, chunk = lane % S::kLanesPerKey;
+  const i64 token_stride = static_cast<i64>(num_kv_heads) * D;
+  const int last_block = (w.tok_end - 1) / B;
+  for (int blk = w.tok_begin / B + warp; blk <= last_block; blk += kDecodeWarps) {
+    const T* base = key_cache + static_cast<i64>(table[blk]) * B * token_stride +
+                    static_cast<i64>(w.kv_head) * D + chunk * S::kVec;
+    for (int it = 0; it < B; it += S::kKeysPerIter) {
+      float k[kKeysPerLane][S::kVec];
+#pragma unroll
+      for (int j = 0; j < kKeysPerLane; ++j) {
+        const int slot = it + j * S::kKeysPerRow + key_in_row;
+        load16_or_zero(base + slot * token_stride, blk * B + slot < w.tok_end, k[j]);
+      }
+      for (int g = 0; g < w.heads; ++g) {
+        float q[S::kVec];
+#pragma unroll
+        for (int j = 0; j < S::kVec / 4; ++j) {
+          const float4 q4 = sm.q[g][chunk * S::kQStride4 + j];
+          q[4 * j] = q4.x;
+          q[4 * j + 1] = q4.y;
+          q[4 * j + 2] = q4.z;
+          q[4 * j + 3] = q4.w;
+        }
+        float dots[kKeysPerLane];
+#pragma unroll
+        for (int j = 0; j < kKeysPerLane; ++j) {
+          dots[j] = 0.0f;
+#pragma unroll
+          for (int e = 0; e < S::kVec; ++e) dots[j] = fmaf(q[e], k[j][e], dots[j]);
+        }
+        int which;
+        const float s = reduce_scatter_sum<kKeysPerLane, S::kLanesPerKey>(dots, lane, which);
+        const int tok = blk * B + it + which * S::kKeysPerRow + key_in_row;
+        // Lanes holding the same key hold the same sum: the first one writes.
+        const bool writer = (chunk & (S::kLanesPerKey / kKeysPerLane - 1)) == 0;
+        if (writer && tok < w.tok_end) sm.logits[g][tok - w.tok_begin] = s;
+      }
+    }
+  }
+}
+
+// Phase 2: per head, logits -> 2^(logit - max) in place; keeps max and sum.
+// Only the partition's valid tokens [0, n) take part in either.
+template <int D>
+__device__ __forceinline__ void softmax_rows(DecodeSmem<D>& sm, const DecodeWork& w) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int n = w.tok_end - w.tok_begin;
+  for (int g = warp; g < w.heads; g += kDecodeWarps) {
+    float m = neg_inf();
+    for (int t = lane; t < n; t += kWarpSize) m = fmaxf(m, sm.logits[g][t]);
+    m = warp_max(m);
+    float sum = 0.0f;
+    for (int t = lane; t < n; t += kWarpSize) {
+      const float p = exp2f(sm.logits[g][t] - m);
+      sm.logits[g][t] = p;
+      sum += p;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      sm.head_max[g] = m;
+      sm.head_sum[g] = sum;
+    }
+  }
+}
+
+// Phase 3: acc[g][e] += p[g][t] * v_t over this warp's blocks, for this
+// lane's 16-byte slice of the head dim; then summed over the warp's rows.
+template <typename T, int D, int B>
+__device__ __forceinline__ void accumulate_values(const DecodeSmem<D>& sm, const DecodeWork& w,
+                                                  const T* __restrict__ value_cache,
+                                                  const int* __restrict__ table, int num_kv_heads,
+                                                  float (&acc)[kMaxGroup][Vec16<T>::kSize]) {
+  using S = DecodeShape<T, D, B>;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int key_in_row = lane / S::kLanesPerKey, chunk = lane % S::kLanesPerKey;
+  const i64 token_stride = static_cast<i64>(num_kv_heads) * D;
+  const int last_block = (w.tok_end - 1) / B;
+  for (int blk = w.tok_begin / B + warp; blk <= last_block; blk += kDecodeWarps) {
+    const T* base = value_cache + static_cast<i64>(table[blk]) * B * token_stride +
+                    static_cast<i64>(w.kv_head) * D + chunk * S::kVec;
+    for (int it = 0; it < B; it += S::kKeysPerIter) {
+      float v[kKeysPerLane][S::kVec];
+#pragma unroll
+      for (int j = 0; j < kKeysPerLane; ++j) {
+        const int slot = it + j * S::kKeysPerRow + key_in_row;
+        load16_or_zero(base + slot * token_stride, blk * B + slot < w.tok_end, v[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kKeysPerLane; ++j) {
+        const int t = blk * B + it + j * S::kKeysPerRow + key_in_row - w.tok_begin;
+        const bool valid = t < w.tok_end - w.tok_begin;
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) {
+          if (g >= w.heads) break;
+          const float p = valid ? sm.logits[g][t] : 0.0f;
+#pragma unroll
+          for (int e = 0; e < S::kVec; ++e) acc[g][e] = fmaf(p, v[j][e], acc[g][e]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+#pragma unroll
+    for (int e = 0; e < S::kVec; ++e) {
+#pragma unroll
+      for (int mask = S::kLanesPerKey; mask < kWarpSize; mask *= 2) {
+        acc[g][e] += __shfl_xor_sync(kFullMask, acc[g][e], mask);
+      }
+    }
+  }
+}
+
+// Sums the warps' partial outputs (through the logits buffer, free by now)
+// and writes out[q_row] directly, or this partition's slot of the workspaces.
+template <typename T, int D, int B>
+__device__ __forceinline__ void store_output(DecodeSmem<D>& sm, const DecodeWork& w,
+                                             const float (&acc)[kMaxGroup][Vec16<T>::kSize],
+                                             T* __restrict__ out, float* __restrict__ ws_out,
+                                             float* __restrict__ ws_max,
+                                             float* __restrict__ ws_sum, int num_heads,
+                                             int max_partitions) {
+  using S = DecodeShape<T, D, B>;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  float* partial = &sm.logits[0][0];  // [kDecodeWarps][kMaxGroup][D]
+  __syncthreads();                    // every warp is done reading probabilities
+  if (lane < S::kLanesPerKey) {
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+#pragma unroll
+      for (int e = 0; e < S::kVec; ++e) {
+        partial[(warp * kMaxGroup + g) * D + lane * S::kVec + e] = acc[g][e];
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < w.heads * D; i += kDecodeThreads) {
+    const int g = i / D, d = i % D;
+    float o = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kDecodeWarps; ++k) o += partial[(k * kMaxGroup + g) * D + d];
+    o /= sm.head_sum[g];
+    if (w.parts == 1) {
+      out[static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D + i] =
+          from_float<T>(o);
+    } else {
+      const i64 slot =
+          (static_cast<i64>(w.seq) * num_heads + w.head0 + g) * max_partitions + w.part;
+      ws_out[slot * D + d] = o;
+      if (d == 0) {
+        ws_max[slot] = sm.head_max[g];
+        ws_sum[slot] = sm.head_sum[g];
+      }
+    }
+  }
+}
+
+// Fills in DecodeWork; false when this thread block has nothing to do.
+__device__ __forceinline__ bool decode_work(DecodeWork& w, const int* __restrict__ context_lens,
+                                           const int* __restrict__ query_start_loc,
+                                           int group_size) {
+  w.seq = blockIdx.y;
+  w.part = blockIdx.z;
+  w.q_row = query_start_loc[w.seq];
+  if (query_start_loc[w.seq + 1] - w.q_row != 1) return false;
+  const int chunks = (group_size + kMaxGroup - 1) / kMaxGroup;
+  const int chunk = blockIdx.x % chunks;
+  w.kv_head = blockIdx.x / chunks;
+  w.head0 = w.kv_head * group_size + chunk * kMaxGroup;
+  w.heads = imin(kMaxGroup, group_size - chunk * kMaxGroup);
+  w.ctx = context_lens[w.seq];
+  w.parts = (w.ctx + kPartitionSize - 1) / kPartitionSize;
+  // Partition 0 of an empty context still runs: it writes the zeros.
+  if (w.part >= (w.parts > 0 ? w.parts : 1)) return false;
+  w.tok_begin = w.part * kPartitionSize;
+  w.tok_end = imin(w.tok_begin + kPartitionSize, w.ctx);
+  return true;
+}
+
+template <typename T, int D, int B>
+__device__ __forceinline__ void decode_partition(
+    T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_max,
+    float* __restrict__ ws_sum, const T* __restrict__ query, const T* __restrict__ key_cache,
+    const T* __restrict__ value_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ context_lens, const int* __restrict__ query_start_loc,
+    float scale_log2, int num_kv_heads, int group_size, int table_width, int max_partitions) {
+  __shared__ DecodeSmem<D> sm;
+  DecodeWork w;
+  if (!decode_work(w, context_lens, query_start_loc, group_size)) return;
+  const int num_heads = num_kv_heads * group_size;
+  if (w.ctx == 0) {
+    T* row = out + static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D;
+    for (int i = threadIdx.x; i < w.heads * D; i += kDecodeThreads) row[i] = from_float<T>(0.0f);
+    return;
+  }
+  const int* table = block_tables + static_cast<i64>(w.seq) * table_width;
+  load_queries<T, D, B>(sm, w, query, num_heads, scale_log2);
+  __syncthreads();
+  score_keys<T, D, B>(sm, w, key_cache, table, num_kv_heads);
+  __syncthreads();
+  softmax_rows<D>(sm, w);
+  __syncthreads();
+  float acc[kMaxGroup][Vec16<T>::kSize] = {};
+  accumulate_values<T, D, B>(sm, w, value_cache, table, num_kv_heads, acc);
+  store_output<T, D, B>(sm, w, acc, out, ws_out, ws_max, ws_sum, num_heads, max_partitions);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void decode_reduce(T* __restrict__ out,
+                                              const float* __restrict__ ws_out,
+                                              const float* __restrict__ ws_max,
+                                              const float* __restrict__ ws_sum,
+                                              const int* __restrict__ context_lens,
+                                              const int* __restrict__ query_start_loc,
+                                              int num_heads, int max_partitions) {
+  const int head = blockIdx.x, seq = blockIdx.y;
+  const int q_row = query_start_loc[seq];
+  if (query_start_loc[seq + 1] - q_row != 1) return;
+  const int parts = (context_lens[seq] + kPartitionSize - 1) / kPartitionSize;
+  if (parts <= 1) return;  // written directly by the partition kernel
+  const i64 base = (static_cast<i64>(seq) * num_heads + head) * max_partitions;
+  float global_max = neg_inf();
+  for (int p = 0; p < parts; ++p) global_max = fmaxf(global_max, ws_max[base + p]);
+  // Every thread recomputes the few weights itself: cheaper than a barrier.
+  float total = 0.0f;
+  for (int p = 0; p < parts; ++p) total += ws_sum[base + p] * exp2f(ws_max[base + p] - global_max);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.0f;
+    for (int p = 0; p < parts; ++p) {
+      const float weight = ws_sum[base + p] * exp2f(ws_max[base + p] - global_max);
+      o = fmaf(weight, ws_out[(base + p) * D + d], o);
+    }
+    out[static_cast<i64>(q_row) * num_heads * D + static_cast<i64>(head) * D + d] =
+        from_float<T>(o / total);
+  }
+}
+
+}  // namespace hr
+
+#define HR_DEFINE_DECODE(SUFFIX, T, D, B)                                                       \
+  extern "C" __global__ void __launch_bounds__(hr::kDecodeThreads)                              \
+      paged_attention_decode_##SUFFIX##_d##D##_b##B(                                            \
+          T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_max,          \
+          float* __restrict__ ws_sum, const T* __restrict__ query,                              \
+          const T* __restrict__ key_cache, const T* __restrict__ value_cache,                   \
+          const int* __restrict__ block_tables, const int* __restrict__ context_lens,           \
+          const int* __restrict__ query_start_loc, float scale_log2, int num_kv_heads,          \
+          int group_size, int table_width, int max_partitions) {                                \
+    hr::decode_partition<T, D, B>(out, ws_out, ws_max, ws_sum, query, key_cache, value_cache,   \
+                                  block_tables, context_lens, query_start_loc, scale_log2,      \
+                                  num_kv_heads, group_size, table_width, max_partitions);       \
+  }
+
+#define HR_DEFINE_DECODE_REDUCE(SUFFIX, T, D)                                                   \
+  extern "C" __global__ void __launch_bounds__(D) paged_attention_decode_reduce_##SUFFIX##_d##D( \
+      T* __restrict__ out, const float* __restrict__ ws_out, const float* __restrict__ ws_max,  \
+      const float* __restrict__ ws_sum, const int* __restrict__ context_lens,                   \
+      const int* __restrict__ query_start_loc, int num_heads, int max_partitions) {             \
+    hr::decode_reduce<T, D>(out, ws_out, ws_max, ws_sum, context_lens, query_start_loc,         \
+                            num_heads, max_partitions);                                         \
+  }
+
+#define HR_DEFINE_DECODE_DTYPE(SUFFIX, T)   \
+  HR_DEFINE_DECODE(SUFFIX, T, 64, 16)       \
+  HR_DEFINE_DECODE(SUFFIX, T, 64, 32)       \
+  HR_DEFINE_DECODE(SUFFIX, T, 128, 16)      \
+  HR_DEFINE_DECODE(SUFFIX, T, 128, 32)      \
+  HR_DEFINE_DECODE_REDUCE(SUFFIX, T, 64)    \
+  HR_DEFINE_DECODE_REDUCE(SUFFIX, T, 128)
+
+HR_DEFINE_DECODE_DTYPE(f16, __half)
+HR_DEFINE_DECODE_DTYPE(bf16, __nv_bfloat16)

@@ -1,0 +1,413 @@
+"""CuPy launchers for the paged-KV CUDA kernels in kernels/csrc.
+
+The GPU twin of kernels/reference.py, with the same two functions:
+``reshape_and_cache`` and ``paged_attention``. Each .cu is compiled once per
+device with NVRTC (``cupy.RawModule``) and launched on torch's current stream;
+tensors travel by ``data_ptr()`` once their dtype, shape, contiguity and device
+have been checked, scalars as numpy.int32 / numpy.float32.
+
+Dispatch inside ``paged_attention``: rows of sequences with query_len == 1 go
+to the decode kernel (split into 512-token partitions, plus a merge kernel
+when any of them spans more than one); sequences with query_len >= 2 go to the
+prefill kernel. Both kernels read query_start_loc on the device and skip the
+other's sequences, so a mixed batch costs two or three launches and no index
+lists, and a sequence gets the same kernel, hence the same bits, whatever
+else shares its batch. Attention takes fp16 or bf16, head dim 64 or 128,
+block size 16 or 32; the cache write takes fp16, bf16 or fp32.
+
+Trusted, not checked (checking would read device memory back): slot_mapping
+values lie inside the cache, and block_tables / context_lens / query_start_loc
+hold the values their host copies in AttentionMetadata describe.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kernels.metadata import AttentionMetadata
+
+CSRC = Path(__file__).parent / "csrc"
+
+# These mirror constants of the .cu files; the kernels assume them.
+PARTITION_SIZE = 512  # kPartitionSize, paged_attention_decode.cu
+MAX_GROUP = 8  # kMaxGroup: query heads one decode thread block serves
+DECODE_THREADS = 128
+PREFILL_ROWS = 64  # kPrefillRows, paged_attention_prefill.cu
+PREFILL_THREADS = 128
+
+ATTENTION_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (16, 32)
+_MAX_GRID_YZ = 65535
+_COPY_WORDS = ((16, "w16"), (4, "w4"), (2, "w2"))  # bytes per copy word, kernel suffix
+
+_kernels: dict[tuple[str, int, tuple[str, ...], str], Any] = {}
+
+
+def is_available() -> bool:
+    """True when a CUDA device and CuPy are both present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _import_cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RuntimeError(
+            "CuPy is not installed: pip install cupy-cuda13x (or headrace[gpu]) "
+            "to run the CUDA kernels; CPU tensors use kernels.reference"
+        ) from exc
+    return cupy
+
+
+def _require_gpu(t: Tensor, name: str) -> None:
+    """The launchers' entry check: CuPy, a CUDA runtime, and a CUDA tensor."""
+    _import_cupy()
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA is not available: kernels.cuda needs an NVIDIA GPU")
+    if not isinstance(t, Tensor) or t.device.type != "cuda":
+        where = t.device if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a CUDA tensor, got {where}")
+
+
+def _check_tensor(
+    name: str,
+    t: Any,
+    dtype: torch.dtype,
+    shape: tuple[int | None, ...],
+    device: torch.device,
+) -> None:
+    """ValueError naming `name` unless t is a contiguous `dtype` tensor of `shape` on `device`.
+
+    A None in `shape` accepts any size in that dimension.
+    """
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(
+        w is not None and g != w for g, w in zip(t.shape, shape, strict=True)
+    ):
+        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def _check_aligned(name: str, t: Tensor, nbytes: int) -> None:
+    if t.data_ptr() % nbytes != 0:
+        raise ValueError(f"{name} must start on a {nbytes}-byte boundary (the kernels load 16 B)")
+
+
+def decode_kernel_name(dtype_suffix: str, head_dim: int, block_size: int) -> str:
+    return f"paged_attention_decode_{dtype_suffix}_d{head_dim}_b{block_size}"
+
+
+def reduce_kernel_name(dtype_suffix: str, head_dim: int) -> str:
+    return f"paged_attention_decode_reduce_{dtype_suffix}_d{head_dim}"
+
+
+def prefill_kernel_name(dtype_suffix: str, head_dim: int) -> str:
+    return f"paged_attention_prefill_{dtype_suffix}_d{head_dim}"
+
+
+def kernel_names() -> dict[str, list[str]]:
+    """Every entry point the launchers may call, by source file (the compile test checks them)."""
+    names: dict[str, list[str]] = {
+        "reshape_and_cache.cu": [f"reshape_and_cache_{w}" for _, w in _COPY_WORDS],
+        "paged_attention_decode.cu": [],
+        "paged_attention_prefill.cu": [],
+    }
+    for t in ATTENTION_DTYPES.values():
+        for d in HEAD_DIMS:
+            names["paged_attention_decode.cu"] += [decode_kernel_name(t, d, b) for b in BLOCK_SIZES]
+            names["paged_attention_decode.cu"].append(reduce_kernel_name(t, d))
+            names["paged_attention_prefill.cu"].append(prefill_kernel_name(t, d))
+    return names
+
+
+def _ptr(t: Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- compile, launch
+
+
+def _cuda_include_dir() -> Path | None:
+    """Where cuda_fp16.h lives: a CUDA toolkit, else the nvidia-* wheels torch brings along."""
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    for root in filter(None, roots):
+        if (Path(root) / "include" / "cuda_fp16.h").is_file():
+            return Path(root) / "include"
+    try:
+        import nvidia  # namespace package of the nvidia-cuda-* wheels
+    except ImportError:
+        return None
+    for base in getattr(nvidia, "__path__", []):
+        for header in sorted(Path(base).glob("*/include/cuda_fp16.h")):
+            return header.parent
+    return None
+
+
+@functools.cache
+def _compile_options() -> tuple[str, ...]:
+    # NVRTC has no default include path: cuda_fp16.h / cuda_bf16.h must be found through -I
+    # (recent CuPy adds one itself; a second is harmless).
+    include = _cuda_include_dir()
+    return ("--std=c++17",) + ((f"-I{include}",) if include else ())
+
+
+_LOCAL_INCLUDE = re.compile(r'^#include "(\w+\.cuh)"$', re.MULTILINE)
+
+
+def kernel_source(file: str) -> str:
+    """csrc/`file` with its local headers pasted in.
+
+    CuPy's on-disk kernel cache is keyed by the source text alone, so a header included by
+    path could change without the cache noticing; pasted in, every byte is in the key.
+    """
+    text = (CSRC / file).read_text()
+    header = lambda m: (CSRC / m.group(1)).read_text().replace("#pragma once\n", "")  # noqa: E731
+    return _LOCAL_INCLUDE.sub(header, text)
+
+
+def _kernel(cupy: Any, file: str, name: str, device_index: int) -> Any:
+    """The compiled kernel `name` of csrc/`file` on a device, compiled on first use."""
+    options = _compile_options()
+    key = (file, device_index, options, name)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        with cupy.cuda.Device(device_index):
+            module_key = (file, device_index, options, "")
+            module = _kernels.get(module_key)
+            if module is None:
+                module = cupy.RawModule(code=kernel_source(file), options=options)
+                _kernels[module_key] = module
+            kernel = module.get_function(name)
+        _kernels[key] = kernel
+    return kernel
+
+
+def _launch(
+    device: torch.device,
+    file: str,
+    name: str,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    args: tuple[Any, ...],
+) -> None:
+    """Launches csrc/`file`:`name` on torch's current stream of `device`."""
+    cupy = _import_cupy()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    kernel = _kernel(cupy, file, name, index)
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
+    with cupy.cuda.Device(index), stream:
+        kernel(grid, block, args)
+
+
+# ----------------------------------------------------------------------------- cache write
+
+
+def _copy_word(row_bytes: int, tensors: tuple[Tensor, ...]) -> tuple[int, str]:
+    """The widest copy word dividing a token row and every pointer's alignment."""
+    for width, suffix in _COPY_WORDS:
+        if row_bytes % width == 0 and all(t.data_ptr() % width == 0 for t in tensors):
+            return width, suffix
+    raise ValueError(f"token rows of {row_bytes} bytes cannot be copied in 2-byte words")
+
+
+def reshape_and_cache(
+    key: Tensor,
+    value: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    slot_mapping: Tensor,
+) -> None:
+    """Write key/value [T, Hkv, D] into caches [N, B, Hkv, D] at ``slot_mapping`` (-1 skipped)."""
+    _require_gpu(key, "key")
+    if key.dtype not in CACHE_DTYPES:
+        raise ValueError(f"key must be one of {CACHE_DTYPES}, got {key.dtype}")
+    device = key.device
+    _check_tensor("key", key, key.dtype, (None, None, None), device)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    _check_tensor("value", value, key.dtype, tuple(key.shape), device)
+    _check_tensor("key_cache", key_cache, key.dtype, (None, None, num_kv_heads, head_dim), device)
+    _check_tensor("value_cache", value_cache, key.dtype, tuple(key_cache.shape), device)
+    _check_tensor("slot_mapping", slot_mapping, torch.int64, (num_tokens,), device)
+    if num_tokens == 0:
+        return
+    row_bytes = num_kv_heads * head_dim * key.element_size()
+    width, suffix = _copy_word(row_bytes, (key, value, key_cache, value_cache))
+    words = row_bytes // width
+    threads = min(256, _cdiv(words, 32) * 32)
+    args = (_ptr(key), _ptr(value), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping))
+    _launch(
+        device,
+        "reshape_and_cache.cu",
+        f"reshape_and_cache_{suffix}",
+        (num_tokens, 1, 1),
+        (threads, 1, 1),
+        (*args, np.int32(words)),
+    )
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+@dataclass(frozen=True)
+class _AttentionShape:
+    """The sizes one paged_attention call launches with."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    table_width: int
+    dtype_suffix: str
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _check_query_and_cache(query: Tensor, key_cache: Tensor, value_cache: Tensor) -> None:
+    if query.dtype not in ATTENTION_DTYPES:
+        raise ValueError(f"query must be one of {tuple(ATTENTION_DTYPES)}, got {query.dtype}")
+    device = query.device
+    _check_tensor("query", query, query.dtype, (None, None, None), device)
+    head_dim = query.shape[2]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"query head dim must be one of {HEAD_DIMS}, got {head_dim}")
+    _check_tensor("key_cache", key_cache, query.dtype, (None, None, None, head_dim), device)
+    _check_tensor("value_cache", value_cache, query.dtype, tuple(key_cache.shape), device)
+    if key_cache.shape[1] not in BLOCK_SIZES:
+        raise ValueError(
+            f"key_cache block size must be one of {BLOCK_SIZES}, got {key_cache.shape[1]}"
+        )
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}")
+    _check_aligned("key_cache", key_cache, 16)
+    _check_aligned("value_cache", value_cache, 16)
+
+
+def _check_metadata(meta: AttentionMetadata, num_rows: int, block_size: int, device) -> None:
+    num_seqs = meta.num_seqs
+    if num_seqs > _MAX_GRID_YZ:
+        raise ValueError(f"meta: {num_seqs} sequences exceed the grid limit {_MAX_GRID_YZ}")
+    _check_tensor("meta.block_tables", meta.block_tables, torch.int32, (num_seqs, None), device)
+    _check_tensor("meta.context_lens", meta.context_lens, torch.int32, (num_seqs,), device)
+    _check_tensor(
+        "meta.query_start_loc", meta.query_start_loc, torch.int32, (num_seqs + 1,), device
+    )
+    if len(meta.context_lens_host) != num_seqs:
+        raise ValueError("meta.context_lens_host must have one entry per sequence")
+    if sum(meta.query_lens) > num_rows:
+        raise ValueError(f"meta.query_lens sum to {sum(meta.query_lens)} > {num_rows} query rows")
+    if any(0 < c < q for q, c in zip(meta.query_lens, meta.context_lens_host, strict=True)):
+        # 0 is allowed: padding rows (their output is zeros).
+        raise ValueError("meta: a context_len is shorter than its query_len")
+    if max(meta.context_lens_host, default=0) > meta.block_tables.shape[1] * block_size:
+        raise ValueError("meta.block_tables is too narrow for the longest context")
+
+
+def paged_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    """Attend query [T, H, D] over the paged cache; returns [T, H, D] in the query dtype.
+
+    Rows no sequence owns come back as zeros, as do rows of sequences with context_len 0.
+    """
+    _require_gpu(query, "query")
+    _check_query_and_cache(query, key_cache, value_cache)
+    if meta.num_seqs == 0:
+        return torch.zeros_like(query)
+    _check_metadata(meta, query.shape[0], key_cache.shape[1], query.device)
+    shape = _AttentionShape(
+        num_heads=query.shape[1],
+        num_kv_heads=key_cache.shape[2],
+        head_dim=query.shape[2],
+        block_size=key_cache.shape[1],
+        table_width=meta.block_tables.shape[1],
+        dtype_suffix=ATTENTION_DTYPES[query.dtype],
+    )
+    covered = sum(meta.query_lens) == query.shape[0]
+    out = torch.empty_like(query) if covered else torch.zeros_like(query)
+    scale_log2 = np.float32(scale * math.log2(math.e))
+    if any(q == 1 for q in meta.query_lens):
+        _launch_decode(out, query, key_cache, value_cache, meta, scale_log2, shape)
+    if any(q >= 2 for q in meta.query_lens):
+        _launch_prefill(out, query, key_cache, value_cache, meta, scale_log2, shape)
+    return out
+
+
+def _launch_decode(out, query, key_cache, value_cache, meta, scale_log2, s: _AttentionShape):
+    """Decode kernel over every sequence (it serves those with query_len 1), then the merge."""
+    longest = max(c for q, c in zip(meta.query_lens, meta.context_lens_host, strict=True) if q == 1)
+    parts = max(1, _cdiv(longest, PARTITION_SIZE))
+    ws_out = ws_max = ws_sum = None  # one partition each: the kernel writes `out` directly
+    if parts > 1:
+        ws_shape = (meta.num_seqs, s.num_heads, parts)
+        ws_out = torch.empty((*ws_shape, s.head_dim), dtype=torch.float32, device=query.device)
+        ws_max = torch.empty(ws_shape, dtype=torch.float32, device=query.device)
+        ws_sum = torch.empty(ws_shape, dtype=torch.float32, device=query.device)
+    tables = (meta.block_tables, meta.context_lens, meta.query_start_loc)
+    name = decode_kernel_name(s.dtype_suffix, s.head_dim, s.block_size)
+    grid = (s.num_kv_heads * _cdiv(s.group, MAX_GROUP), meta.num_seqs, parts)
+    args = (
+        *map(_ptr, (out, ws_out, ws_max, ws_sum, query, key_cache, value_cache, *tables)),
+        scale_log2,
+        *map(np.int32, (s.num_kv_heads, s.group, s.table_width, parts)),
+    )
+    file = "paged_attention_decode.cu"
+    _launch(query.device, file, name, grid, (DECODE_THREADS, 1, 1), args)
+    if parts > 1:
+        name = reduce_kernel_name(s.dtype_suffix, s.head_dim)
+        args = (
+            *map(_ptr, (out, ws_out, ws_max, ws_sum, meta.context_lens, meta.query_start_loc)),
+            *map(np.int32, (s.num_heads, parts)),
+        )
+        grid = (s.num_heads, meta.num_seqs, 1)
+        _launch(query.device, file, name, grid, (s.head_dim, 1, 1), args)
+
+
+def _launch_prefill(out, query, key_cache, value_cache, meta, scale_log2, s: _AttentionShape):
+    """Prefill kernel over every sequence (it serves those with query_len >= 2)."""
+    longest = max(q for q in meta.query_lens if q >= 2)
+    tables = (meta.block_tables, meta.context_lens, meta.query_start_loc)
+    name = prefill_kernel_name(s.dtype_suffix, s.head_dim)
+    grid = (_cdiv(longest * s.group, PREFILL_ROWS), meta.num_seqs, s.num_kv_heads)
+    args = (
+        *map(_ptr, (out, query, key_cache, value_cache, *tables)),
+        scale_log2,
+        *map(np.int32, (s.num_kv_heads, s.group, s.block_size, s.table_width)),
+    )
+    file = "paged_attention_prefill.cu"
+    _launch(query.device, file, name, grid, (PREFILL_THREADS, 1, 1), args)
