@@ -13,11 +13,13 @@ Conventions:
   means argmax of the penalized logits, ties broken by the lowest token id.
 - Logprobs are vLLM's "raw" logprobs: log_softmax of the model's logits as given,
   before penalties, temperature and truncation.
-- Random draws use the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)``
-  i.i.d. per vocabulary entry samples exactly from ``probs``. A seeded request draws
-  its ``vocab_size`` exponentials per token from its own generator, so its tokens do not
-  depend on the other rows of the batch nor on its row position. Unseeded rows share
-  the sampler's generator in one batched draw.
+- Random draws invert the CDF: one uniform ``u`` per row picks the first token whose
+  float64 cumulative probability exceeds ``u * total``. A seeded request draws its one
+  uniform per token from its own generator, so its tokens depend neither on the other
+  rows of the batch nor on its row position. Unseeded rows share the sampler's
+  generator in one batched draw. (An exponential race, ``argmax(probs / E)``, needs a
+  vocabulary's worth of random numbers per token: 3M per step at batch 64, which cost
+  more than the model's attention on a CPU.)
 - Call ``forget`` when a request finishes or aborts, not when it is preempted: a
   preempted request resumes its seeded stream where it stopped.
 """
@@ -34,7 +36,6 @@ from compute.sequence import Sequence
 # Below this the division overflows to inf (then NaN in softmax) for large logits;
 # at 1e-5 the distribution is already a point mass up to exact ties.
 _MIN_TEMPERATURE = 1e-5
-_TINY = torch.finfo(torch.float32).tiny
 
 
 class Sampler:
@@ -88,32 +89,34 @@ class Sampler:
         return tokens
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One random token per row: temperature, truncation, then the exponential race."""
+        """One random token per row: temperature, truncation, then an inverse-CDF draw."""
         params = [s.sampling_params for s in seqs]
         temperature = _column(params, "temperature", logits).clamp_min(_MIN_TEMPERATURE)
         logits = truncate(logits / temperature.unsqueeze(1), params)
-        probs = torch.softmax(logits, dim=-1)
-        return probs.div_(self._exponentials(seqs, probs)).argmax(dim=-1)
+        cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1, dtype=torch.float64)
+        # Strictly below the total, so the pick is at most the last token with mass; a
+        # masked (zero-probability) token never gets a cdf step, so it is never picked.
+        target = self._uniforms(seqs, logits.device) * cdf[:, -1] * (1.0 - 1e-12)
+        return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
-    def _exponentials(self, seqs: list[Sequence], like: torch.Tensor) -> torch.Tensor:
-        """Exp(1) noise shaped like ``like``; seeded rows from their own generators."""
-        noise = torch.empty_like(like)
+    def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        """One float64 U[0, 1) per row; seeded rows from their own generators."""
+        u = torch.empty(len(seqs), dtype=torch.float64, device=device)
         seeded = [i for i, s in enumerate(seqs) if s.sampling_params.seed is not None]
         unseeded = [i for i, s in enumerate(seqs) if s.sampling_params.seed is None]
         if unseeded:
-            generator = self._global_generator(like.device)
-            if not seeded:
-                noise.exponential_(generator=generator)
-            else:
-                rows = torch.empty(
-                    (len(unseeded), like.shape[1]), dtype=like.dtype, device=like.device
-                )
-                noise[_index(unseeded, like.device)] = rows.exponential_(generator=generator)
+            draws = torch.rand(
+                len(unseeded),
+                dtype=torch.float64,
+                device=device,
+                generator=self._global_generator(device),
+            )
+            u[_index(unseeded, device)] = draws
         for i in seeded:
-            # A fixed vocab_size draws per token keeps the stream independent of the batch.
-            noise[i].exponential_(generator=self._request_generator(seqs[i], like.device))
-        # An exact zero draw would make a masked token's 0/0 a NaN, which argmax prefers.
-        return noise.clamp_min_(_TINY)
+            # Exactly one draw per token keeps the stream independent of the batch.
+            generator = self._request_generator(seqs[i], device)
+            u[i] = torch.rand(1, dtype=torch.float64, device=device, generator=generator)[0]
+        return u
 
     def _global_generator(self, device: torch.device) -> torch.Generator:
         generator = self._global_generators.get(device)

@@ -4,8 +4,9 @@
 ``paged_attention`` attends a flat, mixed batch (decodes and prefill chunks)
 over that cache. Layout and mask semantics are defined in ``kernels.metadata``.
 
-Decode tokens of all sequences are computed together: one gather of their
-blocks and one ``scaled_dot_product_attention`` call. Prefill chunks loop per
+Decode tokens are computed together in a few buckets of similar context length:
+one gather of their blocks and one ``scaled_dot_product_attention`` call per
+bucket, so short contexts do not pay for the longest one's padding. Prefill chunks loop per
 sequence, where the attention itself is large enough to amortise the loop.
 K/V are gathered with ``index_select`` (several times faster on CPU than
 advanced indexing) and everything is computed in fp32 whatever the cache dtype.
@@ -56,21 +57,46 @@ def paged_attention(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     starts = _host_starts(meta.query_lens)
     decode = [i for i, qlen in enumerate(meta.query_lens) if qlen == 1]
-    if decode and len(decode) == meta.num_seqs == query.shape[0]:  # pure decode, no padding
+    groups = _decode_groups(decode, meta.context_lens_host)
+    if len(groups) == 1 and len(decode) == meta.num_seqs == query.shape[0]:
         return _decode_attention(query, key_cache, value_cache, meta, None, scale)
     # Rows no sequence owns (batch padding) must come back finite, so zero them.
     covered = starts[-1] == query.shape[0]
     out = torch.empty_like(query) if covered else torch.zeros_like(query)
-    if decode:
-        rows = torch.tensor([starts[i] for i in decode], dtype=torch.int64, device=query.device)
+    for group in groups:
+        rows = torch.tensor([starts[i] for i in group], dtype=torch.int64, device=query.device)
         decode_query = query.index_select(0, rows)
-        attended = _decode_attention(decode_query, key_cache, value_cache, meta, decode, scale)
+        attended = _decode_attention(decode_query, key_cache, value_cache, meta, group, scale)
         out.index_copy_(0, rows, attended)
     for i, qlen in enumerate(meta.query_lens):
         if qlen > 1:
             s, e = starts[i], starts[i] + qlen
             out[s:e] = _prefill_attention(query[s:e], key_cache, value_cache, meta, i, scale)
     return out
+
+
+# A decode group pads every member to its longest context. Splitting where a context
+# drops below this fraction of the group's longest bounds the padding per group, and
+# the cap bounds the per-group launch overhead (a few small ops per layer).
+_GROUP_SPLIT_RATIO = 0.6
+_MAX_DECODE_GROUPS = 4
+_MIN_GROUP_SIZE = 4
+
+
+def _decode_groups(decode: list[int], context_lens: list[int]) -> list[list[int]]:
+    """Decode sequences bucketed by context length, longest first (empty: no decodes)."""
+    if not decode:
+        return []
+    order = sorted(decode, key=lambda i: context_lens[i], reverse=True)
+    groups = [[order[0]]]
+    for i in order[1:]:
+        head = context_lens[groups[-1][0]]
+        split = context_lens[i] < _GROUP_SPLIT_RATIO * head
+        if split and len(groups[-1]) >= _MIN_GROUP_SIZE and len(groups) < _MAX_DECODE_GROUPS:
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+    return groups
 
 
 def _host_starts(query_lens: list[int]) -> list[int]:
