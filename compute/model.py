@@ -4,6 +4,14 @@ The model sees a flat, unpadded batch ``(token_ids, positions)`` and one
 ``AttentionMetadata``; it knows nothing of requests or scheduling. Weights
 arrive with Hugging Face Llama names (compute/loader.py) and are fused here
 (q|k|v and gate|up) so each layer runs four matmuls.
+
+On the CPU each projection also keeps a transposed copy, ``[in, out]``, used
+as ``x @ w_t`` when a step has at most two rows: there that layout reaches
+about twice the memory bandwidth of ``F.linear`` over ``[out, in]`` (measured
+on this project's 2-core machine: 30 layer-sized matrices at batch 1, 13.3 ms
+-> 7.9 ms; a whole decode step, 59 -> 43 ms), while from four rows on the
+usual layout is ~8% faster. The copy costs one more model's worth of RAM.
+GPUs keep one layout.
 """
 
 from __future__ import annotations
@@ -17,16 +25,33 @@ from compute.config import ModelConfig
 from kernels import ops
 from kernels.metadata import AttentionMetadata
 
+# Rows up to which the transposed copy is faster (see the module docstring).
+_GEMV_ROWS = 2
+
+
+class Projection:
+    """A linear layer's weight [out, in] (+ bias), with a transposed CPU copy for GEMVs."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self.weight_t = weight.t().contiguous() if weight.device.type == "cpu" else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t is not None and x.shape[0] <= _GEMV_ROWS:
+            out = x @ self.weight_t
+            return out if self.bias is None else out.add_(self.bias)
+        return F.linear(x, self.weight, self.bias)
+
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, H]
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # [H, q_size]
+    qkv: Projection  # [q_size + 2 * kv_size, H]
+    o_proj: Projection  # [H, q_size]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 * I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: Projection  # [2 * I, H]
+    down: Projection  # [H, I]
 
 
 class RotaryEmbedding:
@@ -58,7 +83,7 @@ class LlamaModel:
         self.device, self.dtype = embed.device, embed.dtype
         self.embed_tokens = embed
         self.norm = weights["model.norm.weight"]
-        self.lm_head = weights.get("lm_head.weight", embed)
+        self.lm_head = Projection(weights.get("lm_head.weight", embed))
         self.layers = [_fuse_layer(weights, i, config) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(
             config.head_dim,
@@ -91,11 +116,11 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] for the given rows of hidden states."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     def _attention(self, x, positions, layer: LayerWeights, key_cache, value_cache, meta):
         cfg = self.config
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = layer.qkv(x)
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
         q = self.rope(q.view(-1, cfg.num_heads, cfg.head_dim), positions)
         k = self.rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)
@@ -103,11 +128,11 @@ class LlamaModel:
         # The step's K/V must be in the cache before attention reads it.
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale)
-        return F.linear(out.reshape(-1, cfg.q_size), layer.o_proj)
+        return layer.o_proj(out.reshape(-1, cfg.q_size))
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Same op order as HF's LlamaRMSNorm, in fp32, so fp32 parity is exact-ish.
@@ -129,10 +154,9 @@ def _fuse_layer(weights: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> L
         qkv_bias = torch.cat([w(f"self_attn.{n}_proj.bias") for n in "qkv"])
     return LayerWeights(
         input_norm=w("input_layernorm.weight"),
-        qkv=torch.cat([w(f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
-        qkv_bias=qkv_bias,
-        o_proj=w("self_attn.o_proj.weight").contiguous(),
+        qkv=Projection(torch.cat([w(f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias),
+        o_proj=Projection(w("self_attn.o_proj.weight")),
         post_norm=w("post_attention_layernorm.weight"),
-        gate_up=torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]).contiguous(),
-        down=w("mlp.down_proj.weight").contiguous(),
+        gate_up=Projection(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])),
+        down=Projection(w("mlp.down_proj.weight")),
     )
