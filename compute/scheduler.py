@@ -43,55 +43,9 @@ from collections.abc import Callable
 
 from compute.config import CacheConfig, SchedulerConfig
 from compute.kv_cache_manager import KVCacheManager
-from compute.outputs import (
-    ModelRunnerOutput,
-    RequestOutput,
-    ScheduledSequence,
-    SchedulerOutput,
-    TokenLogprob,
-)
+from compute.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, TokenLogprob
 from compute.sequence import FinishReason, Sequence, SequenceStatus
-
-
-class _Step:
-    """What the current schedule() call has decided so far."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.scheduled: dict[str, ScheduledSequence] = {}
-        self.decodes: set[str] = set()
-        self.preempted: list[str] = []
-        self.swap_out: list[tuple[int, int]] = []
-        self.swap_in: list[tuple[int, int]] = []
-
-    def add(self, seq: Sequence, num_new_tokens: int, is_decode: bool) -> None:
-        self.scheduled[seq.request_id] = ScheduledSequence(seq, num_new_tokens)
-        if is_decode:
-            self.decodes.add(seq.request_id)
-        self.budget -= num_new_tokens
-
-    def drop(self, seq: Sequence) -> None:
-        """Un-schedule a sequence preempted after it was scheduled: refund its tokens."""
-        item = self.scheduled.pop(seq.request_id, None)
-        if item is not None:
-            self.decodes.discard(seq.request_id)
-            self.budget += item.num_new_tokens
-
-    @property
-    def mixes_prefill_and_decode(self) -> bool:
-        return bool(self.decodes) and len(self.decodes) < len(self.scheduled)
-
-    def output(self) -> SchedulerOutput:
-        items = list(self.scheduled.values())
-        decodes = [s for s in items if s.seq.request_id in self.decodes]
-        prefills = [s for s in items if s.seq.request_id not in self.decodes]
-        return SchedulerOutput(
-            scheduled=decodes + prefills,
-            num_batched_tokens=sum(s.num_new_tokens for s in items),
-            preempted_request_ids=self.preempted,
-            blocks_to_swap_out=self.swap_out,
-            blocks_to_swap_in=self.swap_in,
-        )
+from compute.step_plan import StepPlan
 
 
 class Scheduler:
@@ -212,7 +166,7 @@ class Scheduler:
     # -- scheduling ---------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.config.max_num_batched_tokens)
+        step = StepPlan(self.config.max_num_batched_tokens)
         decode_only = self._decode_only_turn()
         self._schedule_running(step, decodes=True)
         if not decode_only:
@@ -230,7 +184,7 @@ class Scheduler:
             return False
         return any(_is_decode(seq) for seq in self.running)
 
-    def _schedule_running(self, step: _Step, decodes: bool) -> None:
+    def _schedule_running(self, step: StepPlan, decodes: bool) -> None:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled:
                 continue  # preempted earlier in this step, or already served
@@ -242,7 +196,7 @@ class Scheduler:
             if self._allocate_or_preempt(seq, n, step):
                 step.add(seq, n, decodes)
 
-    def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int, step: _Step) -> bool:
+    def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int, step: StepPlan) -> bool:
         """Make room for ``seq`` by preempting victims; False if ``seq`` itself was one."""
         while not self.kv_manager.allocate_slots(seq, num_new_tokens):
             victim = max(self.running, key=self._sort_key)
@@ -251,7 +205,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, step: _Step) -> None:
+    def _preempt(self, seq: Sequence, step: StepPlan) -> None:
         _remove(self.running, seq)
         step.drop(seq)
         step.preempted.append(seq.request_id)
@@ -270,7 +224,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._insert(self.waiting, seq)
 
-    def _schedule_swapped(self, step: _Step) -> None:
+    def _schedule_swapped(self, step: StepPlan) -> None:
         kv = self.kv_manager
         while self.swapped and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
@@ -283,7 +237,7 @@ class Scheduler:
                 raise RuntimeError(f"{seq.request_id}: no room after can_swap_in said yes")
             self._start_running(seq, n, step)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepPlan) -> None:
         kv = self.kv_manager
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -298,7 +252,7 @@ class Scheduler:
                 seq.num_cached_tokens = num_hit
             self._start_running(seq, n, step)
 
-    def _start_running(self, seq: Sequence, num_new_tokens: int, step: _Step) -> None:
+    def _start_running(self, seq: Sequence, num_new_tokens: int, step: StepPlan) -> None:
         seq.status = SequenceStatus.RUNNING
         self._insert(self.running, seq)
         step.add(seq, num_new_tokens, _is_decode(seq))

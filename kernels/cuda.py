@@ -4,7 +4,7 @@ The GPU twin of kernels/reference.py, with the same two functions:
 ``reshape_and_cache`` and ``paged_attention``. Each .cu is compiled once per
 device with NVRTC (``cupy.RawModule``) and launched on torch's current stream;
 tensors travel by ``data_ptr()`` once their dtype, shape, contiguity and device
-have been checked, scalars as numpy.int32 / numpy.float32.
+have been checked (kernels/cuda_checks.py), scalars as numpy.int32 / numpy.float32.
 
 Dispatch inside ``paged_attention``: rows of sequences with query_len == 1 go
 to the decode kernel (split into 512-token partitions, plus a merge kernel
@@ -34,6 +34,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kernels.cuda_checks import (
+    ATTENTION_DTYPES,
+    BLOCK_SIZES,
+    CACHE_DTYPES,
+    COPY_WORDS,
+    HEAD_DIMS,
+    check_metadata,
+    check_query_and_cache,
+    check_tensor,
+    copy_word,
+)
 from kernels.metadata import AttentionMetadata
 
 CSRC = Path(__file__).parent / "csrc"
@@ -44,13 +55,6 @@ MAX_GROUP = 8  # kMaxGroup: query heads one decode thread block serves
 DECODE_THREADS = 128
 PREFILL_ROWS = 64  # kPrefillRows, paged_attention_prefill.cu
 PREFILL_THREADS = 128
-
-ATTENTION_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
-CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-HEAD_DIMS = (64, 128)
-BLOCK_SIZES = (16, 32)
-_MAX_GRID_YZ = 65535
-_COPY_WORDS = ((16, "w16"), (4, "w4"), (2, "w2"))  # bytes per copy word, kernel suffix
 
 _kernels: dict[tuple[str, int, tuple[str, ...], str], Any] = {}
 
@@ -87,37 +91,6 @@ def _require_gpu(t: Tensor, name: str) -> None:
         raise ValueError(f"{name} must be a CUDA tensor, got {where}")
 
 
-def _check_tensor(
-    name: str,
-    t: Any,
-    dtype: torch.dtype,
-    shape: tuple[int | None, ...],
-    device: torch.device,
-) -> None:
-    """ValueError naming `name` unless t is a contiguous `dtype` tensor of `shape` on `device`.
-
-    A None in `shape` accepts any size in that dimension.
-    """
-    if not isinstance(t, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.dim() != len(shape) or any(
-        w is not None and g != w for g, w in zip(t.shape, shape, strict=True)
-    ):
-        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
-        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-
-
-def _check_aligned(name: str, t: Tensor, nbytes: int) -> None:
-    if t.data_ptr() % nbytes != 0:
-        raise ValueError(f"{name} must start on a {nbytes}-byte boundary (the kernels load 16 B)")
-
-
 def decode_kernel_name(dtype_suffix: str, head_dim: int, block_size: int) -> str:
     return f"paged_attention_decode_{dtype_suffix}_d{head_dim}_b{block_size}"
 
@@ -133,7 +106,7 @@ def prefill_kernel_name(dtype_suffix: str, head_dim: int) -> str:
 def kernel_names() -> dict[str, list[str]]:
     """Every entry point the launchers may call, by source file (the compile test checks them)."""
     names: dict[str, list[str]] = {
-        "reshape_and_cache.cu": [f"reshape_and_cache_{w}" for _, w in _COPY_WORDS],
+        "reshape_and_cache.cu": [f"reshape_and_cache_{w}" for _, w in COPY_WORDS],
         "paged_attention_decode.cu": [],
         "paged_attention_prefill.cu": [],
     }
@@ -231,14 +204,6 @@ def _launch(
 # ----------------------------------------------------------------------------- cache write
 
 
-def _copy_word(row_bytes: int, tensors: tuple[Tensor, ...]) -> tuple[int, str]:
-    """The widest copy word dividing a token row and every pointer's alignment."""
-    for width, suffix in _COPY_WORDS:
-        if row_bytes % width == 0 and all(t.data_ptr() % width == 0 for t in tensors):
-            return width, suffix
-    raise ValueError(f"token rows of {row_bytes} bytes cannot be copied in 2-byte words")
-
-
 def reshape_and_cache(
     key: Tensor,
     value: Tensor,
@@ -251,16 +216,16 @@ def reshape_and_cache(
     if key.dtype not in CACHE_DTYPES:
         raise ValueError(f"key must be one of {CACHE_DTYPES}, got {key.dtype}")
     device = key.device
-    _check_tensor("key", key, key.dtype, (None, None, None), device)
+    check_tensor("key", key, key.dtype, (None, None, None), device)
     num_tokens, num_kv_heads, head_dim = key.shape
-    _check_tensor("value", value, key.dtype, tuple(key.shape), device)
-    _check_tensor("key_cache", key_cache, key.dtype, (None, None, num_kv_heads, head_dim), device)
-    _check_tensor("value_cache", value_cache, key.dtype, tuple(key_cache.shape), device)
-    _check_tensor("slot_mapping", slot_mapping, torch.int64, (num_tokens,), device)
+    check_tensor("value", value, key.dtype, tuple(key.shape), device)
+    check_tensor("key_cache", key_cache, key.dtype, (None, None, num_kv_heads, head_dim), device)
+    check_tensor("value_cache", value_cache, key.dtype, tuple(key_cache.shape), device)
+    check_tensor("slot_mapping", slot_mapping, torch.int64, (num_tokens,), device)
     if num_tokens == 0:
         return
     row_bytes = num_kv_heads * head_dim * key.element_size()
-    width, suffix = _copy_word(row_bytes, (key, value, key_cache, value_cache))
+    width, suffix = copy_word(row_bytes, (key, value, key_cache, value_cache))
     words = row_bytes // width
     threads = min(256, _cdiv(words, 32) * 32)
     args = (_ptr(key), _ptr(value), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping))
@@ -293,47 +258,6 @@ class _AttentionShape:
         return self.num_heads // self.num_kv_heads
 
 
-def _check_query_and_cache(query: Tensor, key_cache: Tensor, value_cache: Tensor) -> None:
-    if query.dtype not in ATTENTION_DTYPES:
-        raise ValueError(f"query must be one of {tuple(ATTENTION_DTYPES)}, got {query.dtype}")
-    device = query.device
-    _check_tensor("query", query, query.dtype, (None, None, None), device)
-    head_dim = query.shape[2]
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"query head dim must be one of {HEAD_DIMS}, got {head_dim}")
-    _check_tensor("key_cache", key_cache, query.dtype, (None, None, None, head_dim), device)
-    _check_tensor("value_cache", value_cache, query.dtype, tuple(key_cache.shape), device)
-    if key_cache.shape[1] not in BLOCK_SIZES:
-        raise ValueError(
-            f"key_cache block size must be one of {BLOCK_SIZES}, got {key_cache.shape[1]}"
-        )
-    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv_heads}")
-    _check_aligned("key_cache", key_cache, 16)
-    _check_aligned("value_cache", value_cache, 16)
-
-
-def _check_metadata(meta: AttentionMetadata, num_rows: int, block_size: int, device) -> None:
-    num_seqs = meta.num_seqs
-    if num_seqs > _MAX_GRID_YZ:
-        raise ValueError(f"meta: {num_seqs} sequences exceed the grid limit {_MAX_GRID_YZ}")
-    _check_tensor("meta.block_tables", meta.block_tables, torch.int32, (num_seqs, None), device)
-    _check_tensor("meta.context_lens", meta.context_lens, torch.int32, (num_seqs,), device)
-    _check_tensor(
-        "meta.query_start_loc", meta.query_start_loc, torch.int32, (num_seqs + 1,), device
-    )
-    if len(meta.context_lens_host) != num_seqs:
-        raise ValueError("meta.context_lens_host must have one entry per sequence")
-    if sum(meta.query_lens) > num_rows:
-        raise ValueError(f"meta.query_lens sum to {sum(meta.query_lens)} > {num_rows} query rows")
-    if any(0 < c < q for q, c in zip(meta.query_lens, meta.context_lens_host, strict=True)):
-        # 0 is allowed: padding rows (their output is zeros).
-        raise ValueError("meta: a context_len is shorter than its query_len")
-    if max(meta.context_lens_host, default=0) > meta.block_tables.shape[1] * block_size:
-        raise ValueError("meta.block_tables is too narrow for the longest context")
-
-
 def paged_attention(
     query: Tensor,
     key_cache: Tensor,
@@ -346,10 +270,10 @@ def paged_attention(
     Rows no sequence owns come back as zeros, as do rows of sequences with context_len 0.
     """
     _require_gpu(query, "query")
-    _check_query_and_cache(query, key_cache, value_cache)
+    check_query_and_cache(query, key_cache, value_cache)
     if meta.num_seqs == 0:
         return torch.zeros_like(query)
-    _check_metadata(meta, query.shape[0], key_cache.shape[1], query.device)
+    check_metadata(meta, query.shape[0], key_cache.shape[1], query.device)
     shape = _AttentionShape(
         num_heads=query.shape[1],
         num_kv_heads=key_cache.shape[2],

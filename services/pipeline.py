@@ -38,7 +38,8 @@ from services.domain import (
     Unavailable,
 )
 from services.metrics import Metrics
-from services.output_stage import OutputStage, RequestStream
+from services.output_stage import OutputStage
+from services.request_state import RequestStream
 from services.tokenize_stage import TokenizeStage
 
 if TYPE_CHECKING:  # the engine module pulls in torch and the model

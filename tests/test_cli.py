@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from compute.config import EngineConfig
-from services import cli
+from services import cli, cli_flags
 from services.server_config import ServerConfig
 from tests.conftest import RunningServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _parse(argv: list[str], environ: dict[str, str] | None = None) -> cli.Configs:
-    return cli.build_configs(cli.build_parser(environ or {}).parse_args(argv))
+def _parse(argv: list[str], environ: dict[str, str] | None = None) -> cli_flags.Configs:
+    return cli_flags.build_configs(cli.build_parser(environ or {}).parse_args(argv))
 
 
 def test_serve_help_lists_every_flag_with_its_env_var(capsys) -> None:
@@ -31,16 +31,16 @@ def test_serve_help_lists_every_flag_with_its_env_var(capsys) -> None:
         cli.build_parser({}).parse_args(["serve", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for flag in cli.FLAGS:
+    for flag in cli_flags.FLAGS:
         assert flag.option in text and flag.env in text, flag.option
     assert "--no-prefix-caching" in text
-    assert len(re.findall(r"default: ", text)) == len(cli.FLAGS)
+    assert len(re.findall(r"default: ", text)) == len(cli_flags.FLAGS)
 
 
 def test_every_config_field_has_a_flag() -> None:
-    targets = {flag.target for flag in cli.FLAGS}
+    targets = {flag.target for flag in cli_flags.FLAGS}
     nested = {"cache", "scheduler", "device"}  # EngineConfig's sub-configs, flagged field by field
-    for section, cls in cli.sections().items():
+    for section, cls in cli_flags.sections().items():
         for field in dataclasses.fields(cls):
             if not (section == "engine" and field.name in nested):
                 assert f"{section}.{field.name}" in targets, f"{section}.{field.name} has no flag"

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 import yaml
 
-from services import cli
+from services import cli_flags
 from services.server import SERVICE_NAME
 from tests.conftest import RunningServer
 
@@ -46,7 +46,7 @@ def test_compose_service_ports_env_and_drain_window() -> None:
     service = _load("compose.yaml")["services"]["headrace"]
     assert service["build"]["dockerfile"] == "Dockerfile"
     assert {"50051:50051", "9400:9400"} <= set(service["ports"])
-    known = {flag.env for flag in cli.FLAGS}
+    known = {flag.env for flag in cli_flags.FLAGS}
     assert set(service["environment"]) <= known, set(service["environment"]) - known
     grace = float(service["environment"]["HEADRACE_GRACE_PERIOD"])
     assert float(service["stop_grace_period"].removesuffix("s")) > grace + 5

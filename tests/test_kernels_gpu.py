@@ -7,8 +7,9 @@ Two backends run the same checks:
 - emulated: the same kernel source built for the CPU with g++ and
   tests/cuda_host/host_emulation.cuh (threads as fibers, barriers and warp
   shuffles emulated, fibers scheduled in random order), substituted for
-  `kernels.cuda._launch`. It checks index math, masking, GQA grouping, the
-  partition merge, int64 offsets and missing barriers where no GPU exists.
+  `kernels.cuda._launch` by the driver in tests/cuda_host/emulator.py. It
+  checks index math, masking, GQA grouping, the partition merge, int64
+  offsets and missing barriers where no GPU exists.
   Skipped without g++ or the CUDA headers. A smaller matrix: it is slow.
 
 Inputs: caches filled with NaN before the used slots are written, blocks
@@ -23,14 +24,10 @@ length 0 and rows no sequence owns must be exactly zero.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import math
-import re
 import shutil
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,6 +36,7 @@ from torch import Tensor
 
 from kernels import cuda, reference
 from kernels.metadata import AttentionMetadata
+from tests.cuda_host.emulator import Emulator, cuda_include
 
 TOLERANCES = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (1e-2, 4e-2)}  # relative, max abs
 NUM_KV_HEADS = 2
@@ -163,88 +161,9 @@ def _assert_close(got: Tensor, expected: Tensor, batch: Batch) -> None:
 # ----------------------------------------------------------------------------- emulated backend
 
 
-def _cuda_include() -> Path | None:
-    for root in ("/usr/local/cuda", "/usr/local/cuda-13.0", "/opt/cuda"):
-        if (Path(root) / "include" / "cuda_fp16.h").is_file():
-            return Path(root) / "include"
-    return None
-
-
-class Emulator:
-    """kernels/csrc built for the host by g++; `launch` stands in for kernels.cuda._launch."""
-
-    def __init__(self, build_dir: Path, include: Path):
-        self.build_dir, self.include = build_dir, include
-        self.libraries: dict[Path, ctypes.CDLL] = {}
-        self.sources: dict[str, Path] = {}  # file name -> another source to build instead
-        self.seed = itertools.count(1)
-
-    def _flags(self) -> list[str]:
-        header = Path(__file__).parent / "cuda_host" / "host_emulation.cuh"
-        return [
-            "-std=c++17",
-            "-x",
-            "c++",
-            f"-I{self.include}",
-            f"-I{cuda.CSRC}",
-            "-include",
-            str(header),
-        ]
-
-    def _build(self, source: Path) -> ctypes.CDLL:
-        pre = subprocess.run(
-            ["g++", "-E", *self._flags(), str(source)], capture_output=True, text=True, check=True
-        ).stdout
-        lines = [f'#include "{source}"']
-        for name in re.findall(r'extern\s+"C"\s+void\s+(\w+)\s*\(', pre):
-            lines.append(
-                f'extern "C" const char* emu_{name}(unsigned gx, unsigned gy, unsigned gz, '
-                f"unsigned bx, void** args, unsigned seed) {{ return hr_emu::launch({name}, "
-                f"dim3(gx, gy, gz), dim3(bx, 1, 1), args, seed); }}"
-            )
-        wrapper = self.build_dir / f"{source.stem}.emu.cpp"
-        wrapper.write_text("\n".join(lines) + "\n")
-        library = self.build_dir / f"{source.stem}.emu.so"
-        command = [
-            "g++",
-            "-O2",
-            "-fPIC",
-            "-shared",
-            *self._flags(),
-            str(wrapper),
-            "-o",
-            str(library),
-        ]
-        subprocess.run(command, capture_output=True, text=True, check=True)
-        return ctypes.CDLL(str(library))
-
-    def launch(self, device, file, name, grid, block, args) -> None:
-        source = self.sources.get(file, cuda.CSRC / file)
-        if source not in self.libraries:
-            self.libraries[source] = self._build(source)
-        function = getattr(self.libraries[source], f"emu_{name}")
-        function.restype = ctypes.c_char_p
-        values = [_to_ctypes(a) for a in args]
-        argv = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        assert block[1] == block[2] == 1, "the launchers use 1-D blocks"
-        error = function(*grid, block[0], argv, next(self.seed))
-        if error:
-            raise RuntimeError(f"{name}: {error.decode()}")
-
-
-def _to_ctypes(value):
-    if isinstance(value, np.uint64):
-        return ctypes.c_uint64(int(value))
-    if isinstance(value, np.int32):
-        return ctypes.c_int32(int(value))
-    if isinstance(value, np.float32):
-        return ctypes.c_float(float(value))
-    raise TypeError(f"kernel argument of type {type(value).__name__}")
-
-
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory) -> Emulator:
-    include = _cuda_include()
+    include = cuda_include()
     if shutil.which("g++") is None or include is None:
         pytest.skip("the CPU emulation needs g++ and the CUDA headers (cuda_fp16.h)")
     return Emulator(tmp_path_factory.mktemp("emulated_kernels"), include)

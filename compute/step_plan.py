@@ -1,0 +1,52 @@
+"""The plan of one scheduler step, built up while ``Scheduler.schedule()`` runs.
+
+It holds the token budget left, the sequences scheduled (and which are decodes),
+the preempted request ids and the swap copy lists, and turns them into the
+``SchedulerOutput`` handed to the runner. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from compute.outputs import ScheduledSequence, SchedulerOutput
+from compute.sequence import Sequence
+
+
+class StepPlan:
+    """What the current schedule() call has decided so far."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: dict[str, ScheduledSequence] = {}
+        self.decodes: set[str] = set()
+        self.preempted: list[str] = []
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+
+    def add(self, seq: Sequence, num_new_tokens: int, is_decode: bool) -> None:
+        self.scheduled[seq.request_id] = ScheduledSequence(seq, num_new_tokens)
+        if is_decode:
+            self.decodes.add(seq.request_id)
+        self.budget -= num_new_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        """Un-schedule a sequence preempted after it was scheduled: refund its tokens."""
+        item = self.scheduled.pop(seq.request_id, None)
+        if item is not None:
+            self.decodes.discard(seq.request_id)
+            self.budget += item.num_new_tokens
+
+    @property
+    def mixes_prefill_and_decode(self) -> bool:
+        return bool(self.decodes) and len(self.decodes) < len(self.scheduled)
+
+    def output(self) -> SchedulerOutput:
+        items = list(self.scheduled.values())
+        decodes = [s for s in items if s.seq.request_id in self.decodes]
+        prefills = [s for s in items if s.seq.request_id not in self.decodes]
+        return SchedulerOutput(
+            scheduled=decodes + prefills,
+            num_batched_tokens=sum(s.num_new_tokens for s in items),
+            preempted_request_ids=self.preempted,
+            blocks_to_swap_out=self.swap_out,
+            blocks_to_swap_in=self.swap_in,
+        )

@@ -1,0 +1,128 @@
+"""Stage 3's per-request state: one request's stream, detokenizer and stop matcher.
+
+``RequestStream`` is the asyncio end a request's events are delivered to;
+``RequestState`` turns each ``TokenDelta`` into the ``Outcome`` (events, done, abort)
+that the output stage delivers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from compute.messages import AddRequest, TokenDelta
+from compute.outputs import TokenLogprob
+from compute.tokenizer import Tokenizer
+from services.detokenizer import IncrementalDetokenizer, NullDetokenizer
+from services.domain import Chunk, Complete, EngineFault, RequestError, Timing, Usage
+from services.stop_strings import StopStringMatcher
+
+Event = Chunk | Complete | RequestError
+
+
+class RequestStream:
+    """The asyncio end of one request: stage 3 puts events, the generator awaits them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    async def get(self) -> Event:
+        return await self.queue.get()
+
+
+@dataclass
+class Outcome:
+    events: list[Event]
+    done: bool = False  # the stream ended; forget the request
+    abort_engine: bool = False  # a stop string ended it while the engine still runs it
+
+
+class RequestState:
+    """Stage 3's view of one request: detokenizer, stop matcher, counts, timestamps."""
+
+    def __init__(self, req: AddRequest, stream: RequestStream, tokenizer: Tokenizer | None) -> None:
+        self.request_id = req.request_id
+        self.stream = stream
+        self.params = req.params
+        self.arrival = req.arrival_time
+        self.num_prompt_tokens = len(req.prompt_token_ids)
+        self._tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer.hf) if tokenizer else NullDetokenizer()
+        self.stop = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+
+    def on_delta(self, d: TokenDelta, step_start: float, now: float) -> Outcome:
+        if self.first_scheduled is None:
+            self.first_scheduled = d.first_scheduled_time or step_start
+        text = self.detok.add(self._text_ids(d))
+        if d.finished:
+            text += self.detok.flush()
+        result = self.stop.feed(text)
+        emit = result.text
+        if result.matched is None and d.finished:
+            emit += self.stop.flush()
+        out = Outcome([self._chunk(emit, d)] if d.new_token_ids or emit else [])
+        if result.matched is not None:
+            out.events.append(self._complete("stop", result.matched, d, now))
+            out.done, out.abort_engine = True, not d.finished
+        elif d.finished:
+            out.events.append(self._finish(d, now))
+            out.done = True
+        return out
+
+    def _text_ids(self, d: TokenDelta) -> tuple[int, ...]:
+        # Like vLLM: the EOS/stop token that ended generation is not part of the text
+        # unless the caller asked for stop strings/tokens in the output.
+        ids = d.new_token_ids
+        stopped_by_token = d.stop_token_id is not None and ids and ids[-1] == d.stop_token_id
+        if stopped_by_token and not self.params.include_stop_str_in_output:
+            return ids[:-1]
+        return ids
+
+    def _chunk(self, text: str, d: TokenDelta) -> Chunk:
+        logprobs = tuple(TokenLogprob(*entry) for entry in d.logprobs if entry is not None)
+        tokens = tuple(self._token_str(lp.token_id) for lp in logprobs)
+        top_tokens = tuple(tuple(self._token_str(t) for t, _ in lp.top) for lp in logprobs)
+        return Chunk(
+            text=text,
+            token_ids=d.new_token_ids,
+            logprobs=logprobs,
+            tokens=tokens,
+            top_tokens=top_tokens,
+        )
+
+    def _token_str(self, token_id: int) -> str:
+        if self._tokenizer is None:
+            return ""
+        # The token's own text (" world"), not its BPE spelling ("Ġworld"); a token that
+        # is only part of a UTF-8 character decodes to U+FFFD, as the proto says.
+        try:
+            return self._tokenizer.decode([token_id])
+        except (ValueError, OverflowError):
+            return ""
+
+    def _finish(self, d: TokenDelta, now: float) -> Event:
+        if d.finish_reason in ("stop", "length"):
+            return self._complete(d.finish_reason, "", d, now)
+        # Aborts we asked for never come back; any other abort is the engine's doing.
+        return EngineFault(f"the engine ended the request ({d.finish_reason})")
+
+    def _complete(self, reason: str, matched: str, d: TokenDelta, now: float) -> Complete:
+        first_token = self.first_token if self.first_token is not None else now
+        return Complete(
+            finish_reason=reason,
+            matched_stop=matched,
+            usage=Usage(
+                prompt_tokens=d.num_prompt_tokens or self.num_prompt_tokens,
+                completion_tokens=d.num_output_tokens,
+                cached_prompt_tokens=d.num_cached_tokens,
+            ),
+            timing=Timing(
+                queue_seconds=max(0.0, (self.first_scheduled or now) - self.arrival),
+                time_to_first_token_seconds=first_token - self.arrival,
+                total_seconds=now - self.arrival,
+            ),
+        )
