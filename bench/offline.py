@@ -39,6 +39,7 @@ SYSTEMS = ("headrace", "hf-static", "hf-single")
 class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
+    arrivals: list[float]  # seconds after the start, ascending (all 0 = all at once)
 
     def describe(self) -> dict[str, Any]:
         plens = [len(p) for p in self.prompts]
@@ -49,18 +50,26 @@ class Workload:
             "output_tokens_total": sum(self.output_lens),
             "output_tokens_mean": round(statistics.mean(self.output_lens), 1),
             "output_tokens_max": max(self.output_lens),
+            "last_arrival_s": round(self.arrivals[-1], 2),
         }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=int, default=64, help="requests, all sent at t=0")
+    w.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     w.add_argument("--prompt-min", type=int, default=16, help="shortest prompt (tokens)")
     w.add_argument("--prompt-max", type=int, default=256, help="longest prompt (tokens)")
     w.add_argument("--output-mean", type=float, default=64, help="mean of the exponential")
     w.add_argument("--output-cap", type=int, default=256, help="longest output (tokens)")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload generator")
+    w.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=0.0,
+        help="Poisson arrivals, requests/s (0 = all at t=0); headrace systems only, since "
+        "the static baselines have no notion of arrival",
+    )
     s = p.add_argument_group("systems")
     s.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of systems to run")
     s.add_argument("--max-num-seqs", type=int, default=64, help="headrace max_num_seqs")
@@ -100,7 +109,14 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
         prompts.append([rng.randrange(vocab_size) for _ in range(n)])
         length = round(rng.expovariate(1.0 / args.output_mean))
         lens.append(max(1, min(args.output_cap, length)))
-    return Workload(prompts, lens)
+    # A separate stream, so the same seed gives the same prompts with or without arrivals.
+    gaps = random.Random(args.seed + 1)
+    arrivals, t = [], 0.0
+    for _ in range(args.num_requests):
+        arrivals.append(t)
+        if args.arrival_rate > 0:
+            t += gaps.expovariate(args.arrival_rate)
+    return Workload(prompts, lens, arrivals)
 
 
 def model_vocab_size() -> int:
@@ -156,18 +172,24 @@ class StepLog:
 
 
 def drive(engine: Any, workload: Workload, device: str) -> tuple[StepLog, dict[str, list[float]]]:
-    """Add every request, step until done; returns the step log and per-request token times."""
+    """Add requests as they arrive, step until done; the step log and per-request token times."""
     from compute.sampling_params import SamplingParams
 
     log = StepLog([], [], [], [], [])
-    token_times: dict[str, list[float]] = {}
+    token_times: dict[str, list[float]] = {f"r{i}": [] for i in range(len(workload.prompts))}
     start = time.perf_counter()
-    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        engine.add_request(f"r{i}", prompt, params)
-        token_times[f"r{i}"] = []
-    instrumentation = 0.0
-    while engine.has_unfinished():
+    instrumentation, next_i, n = 0.0, 0, len(workload.prompts)
+    while next_i < n or engine.has_unfinished():
+        now = time.perf_counter() - start - instrumentation
+        while next_i < n and workload.arrivals[next_i] <= now:
+            params = SamplingParams(
+                temperature=0.0, max_tokens=workload.output_lens[next_i], ignore_eos=True
+            )
+            engine.add_request(f"r{next_i}", workload.prompts[next_i], params)
+            next_i += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, workload.arrivals[next_i] - now))  # idle until the next one
+            continue
         outputs = engine.step()
         sync(device)
         now = time.perf_counter() - start - instrumentation
@@ -186,10 +208,10 @@ def drive(engine: Any, workload: Workload, device: str) -> tuple[StepLog, dict[s
     return log, token_times
 
 
-def latency_stats(token_times: dict[str, list[float]]) -> dict[str, Any]:
-    """Inter-token gaps within each request, and time to first token (all arrived at 0)."""
+def latency_stats(token_times: dict[str, list[float]], arrivals: list[float]) -> dict[str, Any]:
+    """Inter-token gaps within each request, and time to first token from its arrival."""
     gaps = [b - a for times in token_times.values() for a, b in pairwise(times)]
-    ttft = [times[0] for times in token_times.values() if times]
+    ttft = [token_times[f"r{i}"][0] - t for i, t in enumerate(arrivals) if token_times[f"r{i}"]]
     ms = 1000.0
     return {
         "itl_mean_ms": round(statistics.mean(gaps) * ms, 2) if gaps else None,
@@ -231,7 +253,7 @@ def run_headrace(
         "kv_waste": round(kv_waste(log), 5),
         "peak_running": max(log.running),
         "num_preemptions": engine.stats().num_preemptions,
-        **latency_stats(token_times),
+        **latency_stats(token_times, workload.arrivals),
         "load_average": [load_before, common.load_average()],
     }
     del engine
@@ -502,7 +524,8 @@ def plot(payload: dict[str, Any], stamp: str, name: str) -> None:
         labels,
         [r["output_tok_s"] for r in systems.values()],
         "output tokens/s",
-        f"{payload['workload']['num_requests']} requests, all at t=0",
+        f"{payload['workload']['num_requests']} requests, "
+        + ("all at t=0" if payload["settings"]["arrival_rate"] == 0 else "Poisson arrivals"),
     )
     plot_timeline(ax_time, payload)
     plot_sweep(ax_sweep, payload)
@@ -518,6 +541,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from {SYSTEMS}")
+    if args.arrival_rate < 0:
+        raise SystemExit("--arrival-rate: must be >= 0")
+    if args.arrival_rate > 0 and set(systems) != {"headrace"}:
+        raise SystemExit("--arrival-rate: only with --systems headrace (baselines run offline)")
     workload = make_workload(args, model_vocab_size())
     load_start = common.load_average()
     hf = run_hf(args, workload, systems) if {"hf-static", "hf-single"} & set(systems) else {}
