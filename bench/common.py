@@ -155,7 +155,7 @@ def bar_panel(ax, labels: list[str], values: list[float], ylabel: str, title: st
 def default_gguf_path() -> Path:
     """The embedded SmolLM2 GGUF, via the engine's own locator when it is importable."""
     try:
-        from compute.default_model import default_model_path
+        from compute.loaders.default_model import default_model_path
 
         return default_model_path()
     except ImportError:

@@ -53,7 +53,7 @@ def sync(device: str) -> None:
 
 
 def load_headrace(args: argparse.Namespace) -> tuple[Any, float]:
-    from compute.config import DeviceConfig, EngineConfig
+    from compute.core.config import DeviceConfig, EngineConfig
     from compute.engine import Engine
 
     config = EngineConfig(
@@ -66,7 +66,7 @@ def load_headrace(args: argparse.Namespace) -> tuple[Any, float]:
 
 def headrace_runner(engine: Any, device: str) -> Runner:
     """Step-wise: one add_request, then step() until done, stamping each token as it arrives."""
-    from compute.sampling_params import SamplingParams
+    from compute.core.sampling_params import SamplingParams
 
     counter = iter(range(10**9))
 

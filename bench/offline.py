@@ -136,7 +136,7 @@ def sync(device: str) -> None:
 
 
 def load_engine(args: argparse.Namespace, max_num_seqs: int, prefill_interval: int):
-    from compute.config import DeviceConfig, EngineConfig, SchedulerConfig
+    from compute.core.config import DeviceConfig, EngineConfig, SchedulerConfig
     from compute.engine import Engine
 
     config = EngineConfig(
@@ -154,7 +154,7 @@ def load_engine(args: argparse.Namespace, max_num_seqs: int, prefill_interval: i
 
 def warm_up_engine(engine: Any) -> None:
     """First steps pay one-time costs (allocator, kernels) that a serving engine pays once."""
-    from compute.sampling_params import SamplingParams
+    from compute.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]] * 2, params)
@@ -173,7 +173,7 @@ class StepLog:
 
 def drive(engine: Any, workload: Workload, device: str) -> tuple[StepLog, dict[str, list[float]]]:
     """Add requests as they arrive, step until done; the step log and per-request token times."""
-    from compute.sampling_params import SamplingParams
+    from compute.core.sampling_params import SamplingParams
 
     log = StepLog([], [], [], [], [])
     token_times: dict[str, list[float]] = {f"r{i}": [] for i in range(len(workload.prompts))}

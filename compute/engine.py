@@ -15,15 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from compute.config import EngineConfig
-from compute.loader import LoadedModel, load_model
+from compute.core.config import EngineConfig
+from compute.core.outputs import RequestOutput, TokenLogprob
+from compute.core.sampling_params import SamplingParams
+from compute.core.scheduler import Scheduler
+from compute.core.sequence import FinishReason, Sequence
+from compute.loaders import LoadedModel, load_model
 from compute.malloc_tuning import keep_freed_memory
 from compute.model import LlamaModel
 from compute.model_runner import ModelRunner, blocks_for_memory
-from compute.outputs import RequestOutput, TokenLogprob
-from compute.sampling_params import SamplingParams
-from compute.scheduler import Scheduler
-from compute.sequence import FinishReason, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The model sees a flat, unpadded batch ``(token_ids, positions)`` and one
 ``AttentionMetadata``; it knows nothing of requests or scheduling. Weights
-arrive with Hugging Face Llama names (compute/loader.py) and are fused here
+arrive with Hugging Face Llama names (compute/loaders/) and are fused here
 (q|k|v and gate|up) so each layer runs four matmuls.
 
 On the CPU each projection also keeps a transposed copy, ``[in, out]``, used
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from compute.config import ModelConfig
+from compute.core.config import ModelConfig
 from kernels import ops
 from kernels.metadata import AttentionMetadata
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from compute.config import CacheConfig, ModelConfig
+from compute.core.config import CacheConfig, ModelConfig
+from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
+from compute.core.sequence import Sequence
 from compute.model import LlamaModel
-from compute.outputs import ModelRunnerOutput, SchedulerOutput
 from compute.sampler import Sampler
-from compute.sequence import Sequence
 from kernels.metadata import AttentionMetadata
 
 GIB = 1024**3

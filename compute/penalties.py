@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from compute.sequence import Sequence
+from compute.core.sequence import Sequence
 
 
 class Penalties:

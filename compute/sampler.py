@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from compute.outputs import TokenLogprob
+from compute.core.outputs import TokenLogprob
+from compute.core.sampling_params import SamplingParams
+from compute.core.sequence import Sequence
 from compute.penalties import Penalties
-from compute.sampling_params import SamplingParams
-from compute.sequence import Sequence
 
 # Below this the division overflows to inf (then NaN in softmax) for large logits;
 # at 1e-5 the distribution is already a point mass up to exact ties.

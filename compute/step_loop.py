@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from compute.messages import (
+from compute.core.messages import (
     Abort,
     AddRequest,
     FailureKind,
@@ -29,7 +29,7 @@ from compute.messages import (
     StepOutputs,
     TokenDelta,
 )
-from compute.outputs import RequestOutput, TokenLogprob
+from compute.core.outputs import RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from compute.engine import Engine, EngineStats

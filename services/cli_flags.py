@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from compute.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from services.log import FORMATS, LEVELS, LogConfig
 from services.server_config import ServerConfig
 

@@ -22,7 +22,7 @@ from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from compute.config import EngineConfig
+    from compute.core.config import EngineConfig
     from services.pipeline import PipelineConfig
 
 DEFAULT_SERVER = "localhost:50051"

@@ -9,8 +9,8 @@ field names are mapped to request paths by ``request_field``.
 
 from __future__ import annotations
 
-from compute.outputs import TokenLogprob
-from compute.sampling_params import SamplingParams
+from compute.core.outputs import TokenLogprob
+from compute.core.sampling_params import SamplingParams
 from services.domain import (
     ChatMessage,
     Chunk,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compute.outputs import TokenLogprob
-from compute.sampling_params import SamplingParams
+from compute.core.outputs import TokenLogprob
+from compute.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import structlog
 
-from compute.messages import (
+from compute.core.messages import (
     AddRequest,
     FailureKind,
     RequestFailed,

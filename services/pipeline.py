@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from compute.messages import Abort, AddRequest, Shutdown
+from compute.core.messages import Abort, AddRequest, Shutdown
 from compute.step_loop import Inbound, StepLoop, run_step_loop
 from services.domain import (
     ChatMessage,

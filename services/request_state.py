@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from compute.messages import AddRequest, TokenDelta
-from compute.outputs import TokenLogprob
+from compute.core.messages import AddRequest, TokenDelta
+from compute.core.outputs import TokenLogprob
 from compute.tokenizer import Tokenizer
 from services.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from services.domain import Chunk, Complete, EngineFault, RequestError, Timing, Usage

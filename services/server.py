@@ -29,7 +29,7 @@ from services.servicer import GenerationServicer
 from services.status import SERVICE_PREFIX, Continuation, StatusInterceptor, wrap_handler
 
 if TYPE_CHECKING:
-    from compute.config import EngineConfig
+    from compute.core.config import EngineConfig
     from services.metrics import Metrics
     from services.pipeline import Pipeline, PipelineConfig
 

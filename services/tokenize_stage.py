@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import jinja2
 
-from compute.messages import AddRequest
+from compute.core.messages import AddRequest
 from compute.tokenizer import Tokenizer
 from services.domain import ChatMessage, GenerateInput, InvalidArgument
 

@@ -15,18 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
-from compute.config import ModelConfig
+from compute.core.config import ModelConfig
+from compute.core.outputs import RequestOutput, TokenLogprob
+from compute.core.sampling_params import SamplingParams
+from compute.core.sequence import FinishReason
 from compute.engine import CompletionOutput, EngineStats
-from compute.outputs import RequestOutput, TokenLogprob
-from compute.sampling_params import SamplingParams
-from compute.sequence import FinishReason
 from compute.tokenizer import Tokenizer
 
 
 @functools.cache
 def smollm2_tokenizer() -> Tokenizer:
     """The real tokenizer of the embedded default model (loaded once per test session)."""
-    from compute.default_model import default_model_path
+    from compute.loaders.default_model import default_model_path
 
     return Tokenizer.from_gguf(default_model_path())
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compute.block_allocator import BlockAllocator
+from compute.core.block_allocator import BlockAllocator
 
 
 def test_allocate_until_empty_then_none():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from compute.config import EngineConfig
+from compute.core.config import EngineConfig
 from services import cli, cli_flags
 from services.server_config import ServerConfig
 from tests.conftest import RunningServer
@@ -141,8 +141,8 @@ def test_help_runs_as_a_module() -> None:
 
 
 def _needs_default_model() -> None:
-    from compute.default_model import default_model_path
-    from compute.loader import ModelLoadError
+    from compute.loaders.base import ModelLoadError
+    from compute.loaders.default_model import default_model_path
 
     try:
         default_model_path()

@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from compute.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
-from compute.loader import LoadedModel, load_model
-from compute.sampling_params import SamplingParams
+from compute.loaders import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 _weights: LoadedModel | None = None

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from compute.kv_cache_manager import KVCacheManager
-from compute.prefix_cache import PrefixCache, block_key
-from compute.sampling_params import SamplingParams
-from compute.sequence import Sequence
+from compute.core.kv_cache_manager import KVCacheManager
+from compute.core.prefix_cache import PrefixCache, block_key
+from compute.core.sampling_params import SamplingParams
+from compute.core.sequence import Sequence
 
 B = 4
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from compute.config import ModelConfig
-from compute.default_model import default_model_path
-from compute.dummy_weights import SHAPES, dummy_config, dummy_weights
-from compute.loader import LoadedModel, ModelLoadError, expected_shapes, load_model
+from compute.core.config import ModelConfig
+from compute.loaders import load_model
+from compute.loaders.base import LoadedModel, ModelLoadError, expected_shapes
+from compute.loaders.default_model import default_model_path
+from compute.loaders.dummy import SHAPES, dummy_config, dummy_weights
 from compute.tokenizer import Tokenizer, bytes_to_unicode
 
 TINY = SHAPES["tiny"]

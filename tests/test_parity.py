@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
-from compute.default_model import default_model_path
+from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
+from compute.loaders.default_model import default_model_path
 from compute.model import LlamaModel
-from compute.sampling_params import SamplingParams
 from kernels.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from compute.sampling_params import SamplingParams
+from compute.core.sampling_params import SamplingParams
 from compute.tokenizer import Tokenizer
 from services.domain import (
     ChatMessage,
@@ -305,7 +305,7 @@ def test_stop_fails_streams_in_flight_and_refuses_new_ones(engine: FakeEngine) -
 
 @pytest.fixture(scope="module")
 def real_engine() -> Engine:
-    from compute.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+    from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
     from compute.engine import Engine
 
     config = EngineConfig(

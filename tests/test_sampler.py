@@ -16,10 +16,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from compute.core.sampling_params import SamplingParams
+from compute.core.sequence import Sequence
 from compute.penalties import Penalties
 from compute.sampler import Sampler, truncate
-from compute.sampling_params import SamplingParams
-from compute.sequence import Sequence
 
 VOCAB = 64
 

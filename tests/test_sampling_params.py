@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compute.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from compute.core.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 INVALID = [
     ("temperature", {"temperature": -0.1}),

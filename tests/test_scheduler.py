@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 
-from compute.config import CacheConfig, SchedulerConfig
-from compute.outputs import ModelRunnerOutput, SchedulerOutput
-from compute.sampling_params import SamplingParams
-from compute.scheduler import Scheduler
-from compute.sequence import FinishReason, Sequence, SequenceStatus
+from compute.core.config import CacheConfig, SchedulerConfig
+from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
+from compute.core.sampling_params import SamplingParams
+from compute.core.scheduler import Scheduler
+from compute.core.sequence import FinishReason, Sequence, SequenceStatus
 from tests.fake_runner import FakeRunner, reference_tokens
 
 B = 4

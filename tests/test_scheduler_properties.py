@@ -20,11 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
-from compute.config import CacheConfig, SchedulerConfig
-from compute.outputs import SchedulerOutput
-from compute.sampling_params import SamplingParams
-from compute.scheduler import Scheduler
-from compute.sequence import FinishReason, Sequence, SequenceStatus
+from compute.core.config import CacheConfig, SchedulerConfig
+from compute.core.outputs import SchedulerOutput
+from compute.core.sampling_params import SamplingParams
+from compute.core.scheduler import Scheduler
+from compute.core.sequence import FinishReason, Sequence, SequenceStatus
 from tests.fake_runner import FakeRunner, reference_tokens
 
 EOS = 2

@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from structlog.testing import capture_logs
 
-from compute.config import CacheConfig, DeviceConfig, EngineConfig
-from compute.sampling_params import SamplingParams
+from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
+from compute.core.sampling_params import SamplingParams
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.pipeline import PipelineConfig
 from services.server import SERVICE_NAME
@@ -390,9 +390,9 @@ def test_drain_cancels_streams_left_after_the_grace_period(serve) -> None:
 
 @pytest.fixture(scope="module")
 def real() -> Iterator[RunningServer]:
-    from compute.default_model import default_model_path
     from compute.engine import Engine
-    from compute.loader import ModelLoadError
+    from compute.loaders.base import ModelLoadError
+    from compute.loaders.default_model import default_model_path
 
     try:
         default_model_path()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from compute.default_model import default_model_path
+from compute.loaders.default_model import default_model_path
 from compute.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow

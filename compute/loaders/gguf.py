@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from compute.config import ModelConfig
-from compute.loader import LoadedModel, ModelLoadError, check_weights
+from compute.core.config import ModelConfig
+from compute.loaders.base import LoadedModel, ModelLoadError, check_weights
 from compute.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

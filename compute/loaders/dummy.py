@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from compute.config import ModelConfig
-from compute.loader import DUMMY_PREFIX, LoadedModel, ModelLoadError, expected_shapes
+from compute.core.config import ModelConfig
+from compute.loaders.base import DUMMY_PREFIX, LoadedModel, ModelLoadError, expected_shapes
 
 INIT_STD = 0.02  # the usual initializer range of Llama-family configs
 

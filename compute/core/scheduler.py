@@ -41,11 +41,11 @@ import itertools
 import time
 from collections.abc import Callable
 
-from compute.config import CacheConfig, SchedulerConfig
-from compute.kv_cache_manager import KVCacheManager
-from compute.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, TokenLogprob
-from compute.sequence import FinishReason, Sequence, SequenceStatus
-from compute.step_plan import StepPlan
+from compute.core.config import CacheConfig, SchedulerConfig
+from compute.core.kv_cache_manager import KVCacheManager
+from compute.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, TokenLogprob
+from compute.core.sequence import FinishReason, Sequence, SequenceStatus
+from compute.core.step_plan import StepPlan
 
 
 class Scheduler:

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from compute.sampling_params import SamplingParams
+from compute.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine module pulls in torch; records only need the name
     from compute.engine import EngineStats

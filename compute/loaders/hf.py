@@ -15,8 +15,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from compute.config import ModelConfig
-from compute.loader import LoadedModel, ModelLoadError, check_weights
+from compute.core.config import ModelConfig
+from compute.loaders.base import PICKLE_SUFFIXES, LoadedModel, ModelLoadError, check_weights
 from compute.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
 }
 _INDEX_FILE = "model.safetensors.index.json"
-_PICKLE_GLOBS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+_PICKLE_GLOBS = tuple(f"*{suffix}" for suffix in PICKLE_SUFFIXES)
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed buffers some old exports saved
 
 

@@ -1,24 +1,22 @@
-"""Model loading: one entry point from a `--model` source to config, weights and tokenizer.
+"""What every loader shares: the LoadedModel record, ModelLoadError and the weight-shape check.
 
-`load_model` dispatches on the source ("default", a `.gguf` file, a Hugging Face checkpoint
-directory, or `dummy:<shape>`) to the loader for that format. Every loader returns weights under
-HF Llama names, in [out, in] layout, in the requested dtype and device, checked against the shapes
-the config implies, and raises ModelLoadError (naming the file) for anything it cannot load.
+Every loader returns weights under HF Llama names, in [out, in] layout, in the requested dtype
+and device, checked against the shapes the config implies, and raises ModelLoadError (naming
+the file) for anything it cannot load.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from compute.config import ModelConfig
+from compute.core.config import ModelConfig
 from compute.tokenizer import Tokenizer
 
 DUMMY_PREFIX = "dummy:"
 # Loading these runs arbitrary code (pickle), so they are refused outright.
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 class ModelLoadError(ValueError):
@@ -81,38 +79,3 @@ def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source:
             raise ModelLoadError(
                 f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}"
             )
-
-
-def load_model(
-    source: str = "default",
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-    progress: bool = True,
-) -> LoadedModel:
-    """Load `source`: "default", a `.gguf` file, an HF directory, or `dummy:<shape>`."""
-    # Format loaders are imported here: they import this module for ModelLoadError.
-    if source.startswith(DUMMY_PREFIX):
-        from compute.dummy_weights import load_dummy
-
-        return load_dummy(source[len(DUMMY_PREFIX) :], dtype=dtype, device=device, seed=seed)
-    if source == "default":
-        from compute.default_model import default_model_path
-
-        path = default_model_path()
-    else:
-        path = Path(source).expanduser()
-    if path.is_dir():
-        from compute.hf_loader import load_hf_dir
-
-        return load_hf_dir(path, dtype=dtype, device=device, progress=progress)
-    if path.is_file() and path.suffix in _PICKLE_SUFFIXES:
-        raise ModelLoadError(f"{path}: pickled checkpoints are refused (unsafe); use safetensors")
-    if path.is_file():
-        from compute.gguf_loader import load_gguf
-
-        return load_gguf(path, dtype=dtype, device=device, progress=progress)
-    raise ModelLoadError(
-        f"{source}: no such file or directory (expected 'default', a .gguf file, "
-        f"a Hugging Face checkpoint directory, or '{DUMMY_PREFIX}<shape>')"
-    )

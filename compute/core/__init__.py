@@ -1,0 +1,1 @@
+"""Torch-free core of stage 2: scheduling, KV block bookkeeping, sequences, records."""
