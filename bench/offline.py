@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     s.add_argument("--threads", type=int, default=2, help="torch intra-op threads (all)")
     s.add_argument("--device", default="cpu", help="cpu or cuda (all systems)")
+    s.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="weights and KV cache dtype (all systems); the CUDA kernels take float16/bfloat16",
+    )
     x = p.add_argument_group("extra headrace runs (same workload)")
     x.add_argument(
         "--sweep-max-num-seqs", default="1,4,16,64", help="max_num_seqs values ('' = skip)"
@@ -145,7 +151,7 @@ def load_engine(args: argparse.Namespace, max_num_seqs: int, prefill_interval: i
             max_num_batched_tokens=args.max_num_batched_tokens,
             prefill_interval=prefill_interval,
         ),
-        device=DeviceConfig(device=args.device, dtype="float32", num_threads=args.threads),
+        device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads),
     )
     start = time.perf_counter()
     engine = Engine(config)
@@ -343,7 +349,7 @@ def run_hf_single(model: Any, workload: Workload, limit: int, device: str) -> di
 
 def run_hf(args: argparse.Namespace, workload: Workload, systems: list[str]) -> dict:
     model, load_s = common.load_hf_model(common.default_gguf_path())
-    model.to(args.device)
+    model.to(args.device, getattr(torch, args.dtype))
     hf_generate(model, [[1, 2, 3], [4, 5, 6, 7]], 4, args.device)  # warm-up, untimed
     results: dict[str, Any] = {}
     if "hf-static" in systems:
