@@ -9,15 +9,14 @@ cannot serve) when the engine starts, not at its first step.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
+from compute.log import get_logger
 from kernels import cuda, reference
 from kernels.cuda_checks import ATTENTION_DTYPES, BLOCK_SIZES, HEAD_DIMS
 from kernels.metadata import AttentionMetadata
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 REFERENCE = "torch-reference"
 CUDA = "cuda-cupy"
@@ -62,7 +61,7 @@ def check_backend(
     every kernel the model can call is compiled and loaded (cuda.warm_up). Logs the choice.
     """
     if device.type != "cuda":
-        log.info("attention backend: %s on %s (%s)", REFERENCE, device, dtype)
+        log.info("attention backend", backend=REFERENCE, device=str(device), dtype=_name(dtype))
         return REFERENCE
     if dtype not in ATTENTION_DTYPES:
         names = ", ".join(str(t).removeprefix("torch.") for t in ATTENTION_DTYPES)
@@ -90,12 +89,16 @@ def check_backend(
         )
     count = cuda.warm_up(device, dtype, head_dim, block_size)
     log.info(
-        "attention backend: %s on %s (%s, head dim %d, block size %d; %d kernels loaded)",
-        CUDA,
-        device,
-        str(dtype).removeprefix("torch."),
-        head_dim,
-        block_size,
-        count,
+        "attention backend",
+        backend=CUDA,
+        device=str(device),
+        dtype=_name(dtype),
+        head_dim=head_dim,
+        block_size=block_size,
+        kernels_loaded=count,
     )
     return CUDA
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -7,12 +7,12 @@ reference instead of the kernels.
 
 from __future__ import annotations
 
-import logging
 import sys
 import types
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
 from compute.engine import Engine
@@ -33,18 +33,18 @@ def fake_cupy(monkeypatch) -> FakeCupy:
     return fake
 
 
-def test_cpu_runs_the_reference_and_says_so(caplog):
-    with caplog.at_level(logging.INFO, logger="kernels.ops"):
-        assert ops.check_backend(torch.device("cpu"), torch.float32, **SMOL, block_size=64) == (
-            ops.REFERENCE
-        )
-    assert "attention backend: torch-reference" in caplog.text
+def test_cpu_runs_the_reference_and_says_so():
+    with capture_logs() as logs:
+        backend = ops.check_backend(torch.device("cpu"), torch.float32, **SMOL, block_size=64)
+    assert backend == ops.REFERENCE
+    (line,) = [e for e in logs if e["event"] == "attention backend"]
+    assert line["backend"] == "torch-reference" and line["component"] == "kernels.ops"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_cuda_warms_up_every_kernel_and_says_so(fake_cupy, caplog, dtype, block_size):
-    with caplog.at_level(logging.INFO, logger="kernels.ops"):
+def test_cuda_warms_up_every_kernel_and_says_so(fake_cupy, dtype, block_size):
+    with capture_logs() as logs:
         assert ops.check_backend(GPU, dtype, **SMOL, block_size=block_size) == ops.CUDA
     assert len(fake_cupy.compiles) == 3  # every .cu, before the first step
     suffix = cuda.ATTENTION_DTYPES[dtype]
@@ -53,7 +53,9 @@ def test_cuda_warms_up_every_kernel_and_says_so(fake_cupy, caplog, dtype, block_
     assert f"paged_attention_decode_reduce_{suffix}_d64" in loaded
     assert f"paged_attention_prefill_{suffix}_d64" in loaded
     assert {"reshape_and_cache_w16", "reshape_and_cache_w4", "reshape_and_cache_w2"} <= loaded
-    assert "attention backend: cuda-cupy" in caplog.text and "6 kernels loaded" in caplog.text
+    (line,) = [e for e in logs if e["event"] == "attention backend"]
+    assert line["backend"] == "cuda-cupy" and line["kernels_loaded"] == 6
+    assert line["block_size"] == block_size and line["head_dim"] == 64
 
 
 BAD = {
