@@ -192,3 +192,13 @@ def test_exported_tokenizer_loads_in_transformers_with_the_same_ids(tmp_path: Pa
     got = got["input_ids"] if isinstance(got, dict) or hasattr(got, "keys") else got
     assert list(got) == expected
     assert theirs.encode("hello world 42", add_special_tokens=True) == ours.encode("hello world 42")
+
+
+def test_rpcs_headrace_lacks_are_unimplemented_not_internal(served: RunningServer) -> None:
+    from smg_grpc_proto.generated import common_pb2
+
+    stub = _stub(served)
+    kv = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=TIMEOUT)
+    assert _error(lambda: list(kv)).code() == grpc.StatusCode.UNIMPLEMENTED
+    error = _error(lambda: stub.Embed(pb.EmbedRequest(), timeout=TIMEOUT))
+    assert error.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -30,6 +30,16 @@ if TYPE_CHECKING:
     from services.pipeline import Pipeline
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+# RPCs of the protocol headrace has no counterpart for; gateways treat UNIMPLEMENTED as
+# "feature absent" (SMG: no KV events -> its own radix-tree approximation for cache_aware).
+UNARY_UNIMPLEMENTED = ("Embed", "FlushCache", "StartProfile", "StopProfile")
+STREAM_UNIMPLEMENTED = ("GetTokenizer", "SubscribeKvEvents")
+
+
+class Unimplemented(RequestError):
+    code = "UNIMPLEMENTED"
+
+
 log = get_logger(__name__)
 
 
@@ -162,6 +172,29 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         return pb.GetLoadsResponse(
             timestamp=stamp, version="headrace", dp_rank_count=1, loads=[load]
         )
+
+
+def _unary_unimplemented(name: str):
+    async def method(self, request, context):
+        raise Unimplemented(f"{name} is not implemented by headrace")
+
+    return method
+
+
+def _stream_unimplemented(name: str):
+    async def method(self, request, context):
+        raise Unimplemented(f"{name} is not implemented by headrace")
+        yield  # an async generator, as grpc expects of a server-streaming handler
+
+    return method
+
+
+# The generated base class answers these with NotImplementedError, which the status
+# mapping would log as an internal error on every gateway poll.
+for _name in UNARY_UNIMPLEMENTED:
+    setattr(WorkerServicer, _name, _unary_unimplemented(_name))
+for _name in STREAM_UNIMPLEMENTED:
+    setattr(WorkerServicer, _name, _stream_unimplemented(_name))
 
 
 async def _until(events: AsyncIterator, aborted: asyncio.Event) -> AsyncIterator:
