@@ -23,6 +23,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from services.domain import Chunk, Complete, GenerateInput, RequestError
 from services.log import get_logger
+from services.servicer import log_complete
 from services.worker import convert
 
 if TYPE_CHECKING:
@@ -77,6 +78,9 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         try:
             async for response in self._responses(inp, request.stream, aborted):
                 yield response
+        except RequestError as exc:
+            log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
+            raise
         finally:
             del self._aborts[inp.request_id]
 
@@ -103,6 +107,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
                     else:
                         logprobs.extend(event.logprobs)
                 elif isinstance(event, Complete):
+                    log_complete(inp.request_id, event)
                     yield convert.complete_to_pb(event, [] if stream else sent, logprobs)
 
     async def Abort(
