@@ -59,7 +59,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     return parser
 
 
-SERVE_HELP = "Serve headrace.v1.GenerationService over gRPC until SIGTERM/SIGINT, then drain."
+SERVE_HELP = (
+    "Serve headrace.v1.GenerationService over gRPC until SIGTERM/SIGINT, then drain. The same "
+    "port also answers the vLLM worker protocol (vllm.grpc.engine.VllmEngine) for gateways "
+    "such as SMG; see README 'Scaling out'."
+)
 EXPORT_HELP = (
     "Write tokenizer.json, tokenizer_config.json (with the chat template) and "
     "generation_config.json of --model into DIR, for a gateway that tokenizes itself "
@@ -142,6 +146,7 @@ def _announce(server: Any) -> None:
     print(f"headrace ready: gRPC headrace.v1.GenerationService on {host}:{server.port}", flush=True)
     if server.metrics_port is not None:
         print(f"  metrics: http://{host}:{server.metrics_port}/metrics", flush=True)
+    print(f"  also: vLLM worker protocol for gateways on {host}:{server.port}", flush=True)
     print(f"  try: headrace generate --server {host}:{server.port} --prompt 'Hello'", flush=True)
 
 

@@ -154,7 +154,8 @@ def test_client_disconnect_frees_the_worker_kv(stack, sdk) -> None:
         )
 
     # 2000 tokens take a minute on this CPU: freed at all means the abort reached the engine.
-    _wait_until(freed, 5.0, "KV freed after the client went away")
+    elapsed = _wait_until(freed, 5.0, "KV freed after the client went away")
+    print(f"KV freed {elapsed:.3f} s after the client disconnected")
     now = sum(r.value("headrace_requests_finished_total", finish_reason="abort") for r in replicas)
     assert now == aborted + 1
 

@@ -7,6 +7,7 @@ Abort by request id ending the stream, refusals naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -202,3 +203,27 @@ def test_rpcs_headrace_lacks_are_unimplemented_not_internal(served: RunningServe
     assert _error(lambda: list(kv)).code() == grpc.StatusCode.UNIMPLEMENTED
     error = _error(lambda: stub.Embed(pb.EmbedRequest(), timeout=TIMEOUT))
     assert error.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_vllm_metric_aliases_mirror_the_headrace_gauges() -> None:
+    from services.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.set_cache_config(16, 512)
+    stats = dataclasses.replace(fake_engine().stats(), num_running=3, num_waiting=2, kv_usage=0.25)
+    metrics.observe_engine_stats(stats)
+    value = metrics.registry.get_sample_value
+    assert value("vllm:num_requests_running") == value("headrace_requests_running") == 3
+    assert value("vllm:num_requests_waiting") == value("headrace_requests_waiting") == 2
+    assert value("vllm:kv_cache_usage_perc") == value("headrace_kv_cache_usage_ratio") == 0.25
+    labels = {"block_size": "16", "num_gpu_blocks": "512"}
+    assert value("vllm:cache_config_info", labels) == 1
+
+
+@pytest.mark.slow
+def test_export_tokenizer_command_writes_what_the_gateway_loads(tmp_path: Path) -> None:
+    from services import cli
+    from services.worker.tokenizer_export import FILES
+
+    assert cli.main(["export-tokenizer", str(tmp_path / "tok")]) == 0
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(FILES)
