@@ -106,6 +106,18 @@ def test_streamed_completion_equals_headrace_v1(stack, sdk) -> None:
     assert text == expected and len(ids) == 12
 
 
+def test_stop_strings_end_the_text_as_in_headrace_v1(stack, sdk) -> None:
+    _, replicas, _ = stack
+    api, model = sdk
+    messages = [{"role": "user", "content": CHAT}]
+    answer = api.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=16, stop=[" Paris"]
+    )
+    _, expected, _ = _v1(replicas[0], chat=[("user", CHAT)], max_tokens=16, stop=[" Paris"])
+    assert answer.choices[0].message.content == expected
+    assert answer.choices[0].finish_reason == "stop" and "Paris" not in expected
+
+
 def test_requests_land_on_both_replicas(stack, sdk) -> None:
     _, replicas, _ = stack
     api, model = sdk
