@@ -104,7 +104,8 @@ def test_protocol_defaults_and_optional_fields() -> None:
         (_request(temperature=-1), "sampling_params.temperature"),
         (_request(ids=()), "tokenized.input_ids"),
         (_request(request_id=""), "request_id"),
-        (_request(ids=(10**6,)), "token_ids"),
+        (_request(ids=(10**6,)), "tokenized.input_ids"),
+        (_request(max_tokens=10**6), "sampling_params.max_tokens"),
         (pb.GenerateRequest(request_id="x"), "input"),
     ],
 )

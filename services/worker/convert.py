@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from compute.core.errors import FieldError
 from compute.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from services.convert import MAX_REQUEST_ID_CHARS, invalid
+from services.convert import MAX_REQUEST_ID_CHARS
 from services.domain import Chunk, Complete, GenerateInput, InvalidArgument
 
 SP = "sampling_params"
+# Where the pipeline's domain field names live in a vLLM GenerateRequest.
+_INPUT_PATHS = {"token_ids": "tokenized.input_ids", "prompt": "text"}
+_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {"logprobs"}
 # Fields of GenerateRequest headrace has no engine for: set -> INVALID_ARGUMENT.
 _UNSUPPORTED_REQUEST = ("kv_transfer_params", "mm_inputs", "media_refs", "kv_transfer_params_json")
 
@@ -25,16 +29,16 @@ _UNSUPPORTED_REQUEST = ("kv_transfer_params", "mm_inputs", "media_refs", "kv_tra
 def to_input(request: pb.GenerateRequest) -> GenerateInput:
     """A validated GenerateInput; InvalidArgument names the offending request field."""
     if not request.request_id:
-        raise invalid("request_id", "must not be empty")
+        raise InvalidArgument("request_id", "must not be empty")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-        raise invalid("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
     for name in _UNSUPPORTED_REQUEST:
         if request.HasField(name):
-            raise invalid(name, "not supported by headrace")
+            raise InvalidArgument(name, "not supported by headrace")
     if request.extra_mm_inputs:
-        raise invalid("extra_mm_inputs", "not supported by headrace (text-only model)")
+        raise InvalidArgument("extra_mm_inputs", "not supported by headrace (text-only model)")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
-        raise invalid("data_parallel_rank", "headrace runs one data-parallel rank (0)")
+        raise InvalidArgument("data_parallel_rank", "headrace runs one data-parallel rank (0)")
     return GenerateInput(
         request_id=request.request_id, **_prompt(request), params=sampling_params(request)
     )
@@ -44,13 +48,13 @@ def _prompt(request: pb.GenerateRequest) -> dict:
     kind = request.WhichOneof("input")
     if kind == "tokenized":
         if not request.tokenized.input_ids:
-            raise invalid("tokenized.input_ids", "must not be empty")
+            raise InvalidArgument("tokenized.input_ids", "must not be empty")
         return {"token_ids": tuple(request.tokenized.input_ids)}
     if kind == "text":
         if not request.text:
-            raise invalid("text", "must not be empty")
+            raise InvalidArgument("text", "must not be empty")
         return {"prompt": request.text}
-    raise invalid("input", "set one of tokenized, text")
+    raise InvalidArgument("input", "set one of tokenized, text")
 
 
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
@@ -74,27 +78,40 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     )
     try:
         return SamplingParams(**fields)
-    except ValueError as exc:  # SamplingParams names the field first: "top_p: must be ..."
-        name = str(exc).split(":", 1)[0]
-        raise InvalidArgument(f"{SP}.{exc}", field=f"{SP}.{name}") from None
+    except FieldError as exc:
+        raise InvalidArgument(request_field(exc.field), exc.rule) from None
+
+
+def request_field(field: str) -> str:
+    """The request path of a domain field name (``top_p`` -> ``sampling_params.top_p``)."""
+    head, dot, rest = field.partition(".")
+    if head in _INPUT_PATHS:
+        return _INPUT_PATHS[head] + dot + rest
+    return f"{SP}.{field}" if head in _SAMPLING_FIELDS else field
 
 
 def _refuse_unsupported(sp: pb.SamplingParams) -> None:
     if sp.min_tokens:
-        raise invalid(f"{SP}.min_tokens", "not supported by headrace (must be 0)")
+        raise InvalidArgument(f"{SP}.min_tokens", "not supported by headrace (must be 0)")
     if sp.n > 1:
-        raise invalid(f"{SP}.n", "headrace returns one sample per request (n must be 0 or 1)")
+        raise InvalidArgument(
+            f"{SP}.n", "headrace returns one sample per request (n must be 0 or 1)"
+        )
     if sp.HasField("prompt_logprobs"):
-        raise invalid(f"{SP}.prompt_logprobs", "not supported by headrace")
+        raise InvalidArgument(f"{SP}.prompt_logprobs", "not supported by headrace")
     if sp.logit_bias:
-        raise invalid(f"{SP}.logit_bias", "not supported by headrace")
+        raise InvalidArgument(f"{SP}.logit_bias", "not supported by headrace")
     if sp.HasField("truncate_prompt_tokens"):
-        raise invalid(f"{SP}.truncate_prompt_tokens", "not supported by headrace")
+        raise InvalidArgument(f"{SP}.truncate_prompt_tokens", "not supported by headrace")
     constraint = sp.WhichOneof("constraint")
     if constraint is not None:
-        raise invalid(f"{SP}.{constraint}", "structured output is not supported by headrace")
+        raise InvalidArgument(
+            f"{SP}.{constraint}", "structured output is not supported by headrace"
+        )
     if sp.grammar_from_first_token:
-        raise invalid(f"{SP}.grammar_from_first_token", "structured output is not supported")
+        raise InvalidArgument(
+            f"{SP}.grammar_from_first_token", "structured output is not supported"
+        )
 
 
 def _logprobs(sp: pb.SamplingParams) -> dict:
@@ -102,7 +119,9 @@ def _logprobs(sp: pb.SamplingParams) -> dict:
     if not sp.HasField("logprobs"):
         return {}
     if not 0 <= sp.logprobs <= MAX_TOP_LOGPROBS:
-        raise invalid(f"{SP}.logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] (-1 = all is not)")
+        raise InvalidArgument(
+            f"{SP}.logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] (-1 = all is not)"
+        )
     return {"logprobs": True, "top_logprobs": sp.logprobs}
 
 
@@ -138,7 +157,7 @@ def complete_to_pb(
     """The final message; ``output_ids`` are the tokens not already sent in chunks."""
     done = pb.GenerateComplete(
         output_ids=output_ids,
-        finish_reason=complete.finish_reason,
+        finish_reason=str(complete.finish_reason),  # FinishReason is a StrEnum: "stop"
         prompt_tokens=complete.usage.prompt_tokens,
         completion_tokens=complete.usage.completion_tokens,
         cached_tokens=complete.usage.cached_prompt_tokens,

@@ -21,8 +21,8 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from services.domain import Chunk, Complete, GenerateInput, RequestError
-from services.log import get_logger
+from compute.log import get_logger
+from services.domain import Chunk, Complete, GenerateInput, InvalidArgument, RequestError
 from services.servicer import log_complete
 from services.worker import convert
 
@@ -73,13 +73,15 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
                 self._metrics.observe_rejected("invalid_argument")
             raise
         if inp.request_id in self._aborts:
-            raise convert.invalid("request_id", f"{inp.request_id!r} is already in flight")
+            raise InvalidArgument("request_id", f"{inp.request_id!r} is already in flight")
         aborted = self._aborts[inp.request_id] = asyncio.Event()
         try:
             async for response in self._responses(inp, request.stream, aborted):
                 yield response
         except RequestError as exc:
             log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
+            if isinstance(exc, InvalidArgument):  # the pipeline names domain fields
+                raise exc.at(convert.request_field(exc.field)) from None
             raise
         finally:
             del self._aborts[inp.request_id]
@@ -162,7 +164,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetLoadsResponse:
         if request.HasField("dp_rank") and request.dp_rank != 0:
-            raise convert.invalid("dp_rank", "headrace runs one data-parallel rank (0)")
+            raise InvalidArgument("dp_rank", "headrace runs one data-parallel rank (0)")
         stats = self._pipeline.engine_stats()
         load = pb.SchedulerLoad(
             dp_rank=0,
