@@ -122,8 +122,12 @@ def test_requests_land_on_both_replicas(stack, sdk) -> None:
     _, replicas, _ = stack
     api, model = sdk
     before = [_finished(r) for r in replicas]
-    for i in range(8):  # distinct prompts: cache_aware balances what it cannot match
-        api.completions.create(model=model, prompt=f"{i} {i * 7} apples", max_tokens=2)
+    # Distinct prompts share no prefix, so cache_aware sends each to the worker with the
+    # smaller prefix tree; long ones make the trees' order flip within a request or two,
+    # whatever earlier tests left in them.
+    for i in range(8):
+        prompt = f"{i}: " + " ".join(f"word{i * 100 + j}" for j in range(60))
+        api.completions.create(model=model, prompt=prompt, max_tokens=2)
     after = [_finished(r) for r in replicas]
     assert sum(a - b for a, b in zip(after, before, strict=True)) == 8
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
