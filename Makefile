@@ -22,8 +22,8 @@ GPU_WHEELS ?= structlog==26.1.0 gguf==0.19.0 grpcio==1.85.1 grpcio-health-checki
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
-.PHONY: help setup setup-gpu gpu-wheels gpu-check test lint format serve generate bench \
-	bench-decode proto nvcc-check clean
+.PHONY: help setup setup-gpu gpu-wheels gpu-check test test-gateway lint format serve \
+	generate bench bench-decode proto nvcc-check clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -55,6 +55,9 @@ gpu-check: ## on a GPU machine: versions, carried wheels, gpu tests, kernel benc
 
 test: setup lint ## lint, then run the whole test suite (CPU; GPU tests skip without CUDA)
 	$(PY) -m pytest -q -ra $(ARGS)
+
+test-gateway: setup ## only the loopback tests through the real SMG gateway (also in `make test`)
+	$(PY) -m pytest -q -ra -m gateway $(ARGS)
 
 lint: setup ## ruff check, ruff format --check, buf lint
 	$(VENV)/bin/ruff check .

@@ -49,10 +49,27 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     health = commands.add_parser("health", help="grpc.health.v1 check; exit 0 when SERVING")
     _add_server_flag(health, environ)
     health.add_argument("--service", default="", help='service to check ("" = whole server)')
+    export = commands.add_parser(
+        "export-tokenizer",
+        help="write the model's tokenizer for a gateway",
+        description=EXPORT_HELP,
+    )
+    export.add_argument("directory", metavar="DIR", help="created if missing")
+    add_flags(export, [f for f in FLAGS if f.option == "--model"], environ, classes)
     return parser
 
 
-SERVE_HELP = "Serve headrace.v1.GenerationService over gRPC until SIGTERM/SIGINT, then drain."
+SERVE_HELP = (
+    "Serve headrace.v1.GenerationService over gRPC until SIGTERM/SIGINT, then drain. The same "
+    "port also answers the vLLM worker protocol (vllm.grpc.engine.VllmEngine) for gateways "
+    "such as SMG; see README 'Scaling out'."
+)
+EXPORT_HELP = (
+    "Write tokenizer.json, tokenizer_config.json (with the chat template) and "
+    "generation_config.json of --model into DIR, for a gateway that tokenizes itself "
+    "(smg --tokenizer-path DIR). `serve` writes the same files at start-up (--tokenizer-dir) "
+    "and reports the path in the vLLM worker protocol's GetModelInfo."
+)
 GEN_HELP = (
     "Generate from --prompt, --chat (one user message) or stdin; the text goes to stdout, "
     "a summary line to stderr."
@@ -129,6 +146,7 @@ def _announce(server: Any) -> None:
     print(f"headrace ready: gRPC headrace.v1.GenerationService on {host}:{server.port}", flush=True)
     if server.metrics_port is not None:
         print(f"  metrics: http://{host}:{server.metrics_port}/metrics", flush=True)
+    print(f"  also: vLLM worker protocol for gateways on {host}:{server.port}", flush=True)
     print(f"  try: headrace generate --server {host}:{server.port} --prompt 'Hello'", flush=True)
 
 
@@ -180,11 +198,26 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
+def _export_tokenizer(args: argparse.Namespace) -> int:
+    from compute.loaders import load_model
+    from services.worker.tokenizer_export import FILES, export_tokenizer
+
+    loaded = load_model(args.model or "default", progress=False)
+    if loaded.tokenizer is None:
+        print(f"error: model {args.model!r} has no tokenizer", file=sys.stderr)
+        return 2
+    max_len = loaded.config.max_position_embeddings
+    out = export_tokenizer(loaded.tokenizer, args.directory, max_len)
+    print(f"wrote {', '.join(FILES)} to {out}")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": _serve,
     "generate": _generate,
     "info": _info,
     "health": _health,
+    "export-tokenizer": _export_tokenizer,
 }
 
 

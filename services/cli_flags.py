@@ -61,6 +61,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-message-bytes", "server.max_message_bytes", "largest gRPC message", int),
     Flag("--grace-period", "server.grace_period", "seconds to finish streams on SIGTERM", float),
     Flag("--max-batch-requests", "server.max_batch_requests", "most requests per batch call", int),
+    Flag("--tokenizer-dir", "server.tokenizer_dir",
+         "where to write the tokenizer that gateways load (empty = a temporary directory)"),
     Flag("--model", "engine.model", '"default" (SmolLM2), a .gguf, an HF dir or "dummy:<shape>"'),
     Flag("--seed", "engine.seed", "seed of the global generator and of dummy weights", int),
     Flag("--device", "device.device", "auto, cpu, cuda or cuda:N"),

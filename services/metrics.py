@@ -37,6 +37,7 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._add_engine_metrics(self.registry)
         self._add_request_metrics(self.registry)
+        self._add_vllm_aliases(self.registry)
         self._last_cumulative = dict.fromkeys(_CUMULATIVE, 0)
 
     def _add_engine_metrics(self, r: CollectorRegistry) -> None:
@@ -111,11 +112,43 @@ class Metrics:
             registry=r,
         )
 
+    def _add_vllm_aliases(self, r: CollectorRegistry) -> None:
+        """vLLM's names for the load signals routers read by default (the Gateway API
+        Inference Extension's model-server protocol, llm-d, SMG): same values as the
+        headrace_* gauges."""
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Alias of headrace_requests_waiting", registry=r
+        )
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running", "Alias of headrace_requests_running", registry=r
+        )
+        self.vllm_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "Alias of headrace_kv_cache_usage_ratio (a fraction in [0, 1], as vLLM's)",
+            registry=r,
+        )
+        self.vllm_cache_config = Gauge(
+            "vllm:cache_config_info",
+            "KV cache configuration (labels); the value is always 1",
+            ["block_size", "num_gpu_blocks"],
+            registry=r,
+        )
+
+    def set_cache_config(self, block_size: int, num_blocks: int) -> None:
+        """vllm:cache_config_info{block_size, num_gpu_blocks} (num_gpu_blocks = KV blocks,
+        whatever the device)."""
+        self.vllm_cache_config.labels(
+            block_size=str(block_size), num_gpu_blocks=str(num_blocks)
+        ).set(1)
+
     def observe_engine_stats(self, stats: EngineStats) -> None:
         """Mirror one snapshot; call from one thread only (it diffs cumulative counts)."""
-        self.requests_running.set(stats.num_running)
-        self.requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage.set(stats.kv_usage)
+        for running in (self.requests_running, self.vllm_running):
+            running.set(stats.num_running)
+        for waiting in (self.requests_waiting, self.vllm_waiting):
+            waiting.set(stats.num_waiting)
+        for usage in (self.kv_cache_usage, self.vllm_kv_usage):
+            usage.set(stats.kv_usage)
         for field, attr in _CUMULATIVE.items():
             value = getattr(stats, field)
             delta = value - self._last_cumulative[field]

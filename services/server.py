@@ -19,6 +19,7 @@ import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
 
 from compute.log import get_logger
 from services.domain import Unavailable
@@ -26,7 +27,15 @@ from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.server_config import ServerConfig
 from services.servicer import GenerationServicer
-from services.status import SERVICE_PREFIX, Continuation, StatusInterceptor, wrap_handler
+from services.status import (
+    SERVICE_PREFIX,
+    WORKER_PREFIX,
+    Continuation,
+    StatusInterceptor,
+    wrap_handler,
+)
+from services.worker.servicer import SERVICE_NAME as WORKER_SERVICE_NAME
+from services.worker.servicer import WorkerServicer
 
 if TYPE_CHECKING:
     from compute.core.config import EngineConfig
@@ -34,6 +43,9 @@ if TYPE_CHECKING:
     from services.pipeline import Pipeline, PipelineConfig
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# Calls the drain gate counts and refuses while draining: every generation, never Abort,
+# health or the worker protocol's info calls (a gateway keeps polling a draining worker).
+GATED_PREFIXES = (SERVICE_PREFIX, WORKER_PREFIX + "Generate")
 # Clients may ping every 10 s (5 s leaves room for jitter) even with no call open;
 # the server pings idle connections itself so that vanished clients are noticed and
 # their generations cancelled.
@@ -63,8 +75,8 @@ class DrainGate(grpc.aio.ServerInterceptor):
         self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        if not details.method.startswith(SERVICE_PREFIX):
-            return handler  # health and reflection keep answering while draining
+        if not details.method.startswith(GATED_PREFIXES):
+            return handler  # health, reflection and Abort keep answering while draining
         return wrap_handler(handler, self._admit)
 
     @contextlib.asynccontextmanager
@@ -95,9 +107,14 @@ class Server:
     """A started pipeline behind a grpc.aio server (must be used on one event loop)."""
 
     def __init__(
-        self, pipeline: Pipeline, config: ServerConfig | None = None, metrics: Metrics | None = None
+        self,
+        pipeline: Pipeline,
+        config: ServerConfig | None = None,
+        metrics: Metrics | None = None,
+        tokenizer_path: str = "",  # what the worker protocol's GetModelInfo reports
     ) -> None:
         self.config = config or ServerConfig()
+        self.tokenizer_path = tokenizer_path
         self.port = 0  # the bound gRPC port, known after start()
         self.metrics_port: int | None = None  # the bound metrics port, when serving metrics
         self._pipeline = pipeline
@@ -121,13 +138,18 @@ class Server:
         pb_grpc.add_GenerationServiceServicer_to_server(
             GenerationServicer(self._pipeline, self.config, self._metrics), self._server
         )
+        worker = WorkerServicer(
+            self._pipeline, self.tokenizer_path, lambda: not self.draining, self._metrics
+        )
+        worker_grpc.add_VllmEngineServicer_to_server(worker, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+            (SERVICE_NAME, WORKER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self._server,
         )
         self.port = self._server.add_insecure_port(self.config.address)
         await self._server.start()
-        for service in ("", SERVICE_NAME):
+        for service in ("", SERVICE_NAME, WORKER_SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._start_metrics()
         log.info("serving", address=self.config.address, port=self.port)
@@ -179,9 +201,10 @@ async def serve(
     config: ServerConfig,
     metrics: Metrics | None = None,
     on_ready: Callable[[Server], None] | None = None,
+    tokenizer_path: str = "",
 ) -> None:
     """Serve until SIGTERM/SIGINT, then drain and return."""
-    server = Server(pipeline, config, metrics)
+    server = Server(pipeline, config, metrics, tokenizer_path)
     await server.start()
     signalled = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -211,9 +234,26 @@ def run(
     from services.pipeline import Pipeline
 
     metrics = Metrics()
-    pipeline = Pipeline(Engine(engine_config), pipeline_config, metrics)
+    engine = Engine(engine_config)
+    metrics.set_cache_config(engine.block_size, engine.num_blocks)
+    tokenizer_path = _export_tokenizer(engine, server_config.tokenizer_dir)
+    pipeline = Pipeline(engine, pipeline_config, metrics)
     pipeline.start()
     try:
-        asyncio.run(serve(pipeline, server_config, metrics, on_ready))
+        asyncio.run(serve(pipeline, server_config, metrics, on_ready, tokenizer_path))
     finally:
         pipeline.stop()
+
+
+def _export_tokenizer(engine, directory: str) -> str:
+    """Write the tokenizer where gateways read it (GetModelInfo.tokenizer_path); "" if none."""
+    import tempfile
+
+    from services.worker.tokenizer_export import export_tokenizer
+
+    if engine.tokenizer is None:  # dummy weights: gateways must be given --tokenizer-path
+        return ""
+    directory = directory or tempfile.mkdtemp(prefix="headrace-tokenizer-")
+    path = export_tokenizer(engine.tokenizer, directory, engine.max_model_len)
+    log.info("tokenizer exported", path=str(path.resolve()))
+    return str(path.resolve())

@@ -19,6 +19,9 @@ class ServerConfig:
     max_message_bytes: int = 16 * MIB  # largest gRPC message sent or received
     grace_period: float = 30.0  # seconds streams in flight get to finish on SIGTERM
     max_batch_requests: int = 64  # most requests in one GenerateBatch call
+    # Where serve writes the model's tokenizer for gateways (vLLM worker protocol's
+    # GetModelInfo.tokenizer_path); "" = a fresh temporary directory.
+    tokenizer_dir: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

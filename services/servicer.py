@@ -95,7 +95,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             async with contextlib.aclosing(self._pipeline.generate(inp)) as events:
                 async for event in events:
                     if isinstance(event, Complete):
-                        _log_complete(inp.request_id, event)
+                        log_complete(inp.request_id, event)
                     yield event
         except RequestError as exc:
             log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
@@ -195,7 +195,7 @@ def _naming_request(i: int):
         raise _in_batch(exc, i) from None
 
 
-def _log_complete(request_id: str, complete: Complete) -> None:
+def log_complete(request_id: str, complete: Complete) -> None:
     usage, timing = complete.usage, complete.timing
     log.info(
         "request complete",

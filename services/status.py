@@ -19,6 +19,9 @@ from compute.log import get_logger
 from services.domain import RequestError
 
 SERVICE_PREFIX = "/headrace.v1.GenerationService/"
+# The vLLM worker protocol (services/worker) gets the same status mapping.
+WORKER_PREFIX = "/vllm.grpc.engine.VllmEngine/"
+MAPPED_PREFIXES = (SERVICE_PREFIX, WORKER_PREFIX)
 _CODES = {code.name: code for code in grpc.StatusCode}
 
 log = get_logger(__name__)
@@ -81,6 +84,6 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        if not details.method.startswith(SERVICE_PREFIX):
+        if not details.method.startswith(MAPPED_PREFIXES):
             return handler  # health and reflection report their own statuses
         return wrap_handler(handler, lambda context: mapped_errors(context, details.method))

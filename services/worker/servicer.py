@@ -1,0 +1,232 @@
+"""``vllm.grpc.engine.VllmEngine`` over a started Pipeline (what SMG calls on a worker).
+
+Same pipeline, admission, drain gate and status mapping as headrace.v1 (the server
+wraps both services with the same interceptors). Two ways to stop a request:
+the stream is cancelled (grpc cancels the handler, ``aclosing`` closes the pipeline's
+generator), or the gateway calls ``Abort(request_ids)`` -- SMG does that when its
+HTTP client goes away and keeps reading the stream, so Abort must end the stream
+itself: it stops the pipeline's generator (freeing the KV at the next step) and
+sends a final GenerateComplete with finish_reason "abort".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+from compute.log import get_logger
+from services.domain import Chunk, Complete, GenerateInput, InvalidArgument, RequestError
+from services.servicer import log_complete
+from services.worker import convert
+
+if TYPE_CHECKING:
+    from services.metrics import Metrics
+    from services.pipeline import Pipeline
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+# RPCs of the protocol headrace has no counterpart for; gateways treat UNIMPLEMENTED as
+# "feature absent" (SMG: no KV events -> its own radix-tree approximation for cache_aware).
+UNARY_UNIMPLEMENTED = ("Embed", "FlushCache", "StartProfile", "StopProfile")
+STREAM_UNIMPLEMENTED = ("GetTokenizer", "SubscribeKvEvents")
+
+
+class Unimplemented(RequestError):
+    code = "UNIMPLEMENTED"
+
+
+log = get_logger(__name__)
+
+
+class WorkerServicer(pb_grpc.VllmEngineServicer):
+    """The vLLM worker protocol; ``tokenizer_path`` is what GetModelInfo tells the gateway."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        tokenizer_path: str,
+        serving: Callable[[], bool] = lambda: True,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._pipeline = pipeline
+        self._tokenizer_path = tokenizer_path
+        self._serving = serving
+        self._metrics = metrics
+        self._aborts: dict[str, asyncio.Event] = {}
+        self._started = time.time()
+        self._last_receive = 0.0
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self._last_receive = time.time()
+        try:
+            inp = convert.to_input(request)
+        except RequestError:
+            if self._metrics is not None:
+                self._metrics.observe_rejected("invalid_argument")
+            raise
+        if inp.request_id in self._aborts:
+            raise InvalidArgument("request_id", f"{inp.request_id!r} is already in flight")
+        aborted = self._aborts[inp.request_id] = asyncio.Event()
+        try:
+            async for response in self._responses(inp, request.stream, aborted):
+                yield response
+        except RequestError as exc:
+            log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
+            if isinstance(exc, InvalidArgument):  # the pipeline names domain fields
+                raise exc.at(convert.request_field(exc.field)) from None
+            raise
+        finally:
+            del self._aborts[inp.request_id]
+
+    async def _responses(
+        self, inp: GenerateInput, stream: bool, aborted: asyncio.Event
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        prompt_tokens = len(inp.token_ids or ())
+        sent: list[int] = []  # streamed: all tokens so far; unary: held for the Complete
+        logprobs: list = []
+        # Inner aclosing first: it stops reading ``events`` before the outer one closes it.
+        async with (
+            contextlib.aclosing(self._pipeline.generate(inp)) as events,
+            contextlib.aclosing(_until(events, aborted)) as guarded,
+        ):
+            async for event in guarded:
+                if event is None:  # Abort(request_ids) named this request
+                    log.info("request aborted by the gateway", request_id=inp.request_id)
+                    yield convert.aborted_pb(prompt_tokens, len(sent))
+                    return
+                if isinstance(event, Chunk):
+                    sent.extend(event.token_ids)
+                    if stream:
+                        yield convert.chunk_to_pb(event, prompt_tokens, len(sent))
+                    else:
+                        logprobs.extend(event.logprobs)
+                elif isinstance(event, Complete):
+                    log_complete(inp.request_id, event)
+                    yield convert.complete_to_pb(event, [] if stream else sent, logprobs)
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        for request_id in request.request_ids:  # unknown ids have ended already: not an error
+            event = self._aborts.get(request_id)
+            if event is not None:
+                event.set()
+        return pb.AbortResponse()
+
+    async def HealthCheck(
+        self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthCheckResponse:
+        if self._serving():
+            return pb.HealthCheckResponse(healthy=True, message="serving")
+        return pb.HealthCheckResponse(healthy=False, message="draining or stopped")
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        info = self._pipeline.model_info()
+        return pb.GetModelInfoResponse(
+            model_path=self._tokenizer_path,
+            tokenizer_path=self._tokenizer_path,
+            served_model_name=info.model_name,
+            is_generation=True,
+            max_context_length=info.max_model_len,
+            max_req_input_len=info.max_model_len - 1,
+            vocab_size=info.vocab_size,
+            architectures=[info.architecture],
+            eos_token_ids=list(info.eos_token_ids),
+        )
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetServerInfoResponse:
+        info = self._pipeline.model_info()
+        return pb.GetServerInfoResponse(
+            active_requests=self._pipeline.num_pending,
+            is_paused=not self._serving(),
+            last_receive_timestamp=self._last_receive,
+            uptime_seconds=time.time() - self._started,
+            server_type="vllm-grpc",
+            data_parallel_size=1,
+            block_size=info.block_size,
+            model_dtype=info.dtype,
+            kv_cache_dtype="auto",
+        )
+
+    async def GetLoads(
+        self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetLoadsResponse:
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            raise InvalidArgument("dp_rank", "headrace runs one data-parallel rank (0)")
+        stats = self._pipeline.engine_stats()
+        load = pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=stats.num_running,
+            num_waiting_reqs=stats.num_waiting,
+            num_total_reqs=stats.num_running + stats.num_waiting,
+            num_used_tokens=stats.kv_slots_used,
+            max_total_num_tokens=stats.num_blocks * stats.block_size,
+            token_usage=stats.kv_usage,
+        )
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        return pb.GetLoadsResponse(
+            timestamp=stamp, version="headrace", dp_rank_count=1, loads=[load]
+        )
+
+
+def _unary_unimplemented(name: str):
+    async def method(self, request, context):
+        raise Unimplemented(f"{name} is not implemented by headrace")
+
+    return method
+
+
+def _stream_unimplemented(name: str):
+    async def method(self, request, context):
+        raise Unimplemented(f"{name} is not implemented by headrace")
+        yield  # an async generator, as grpc expects of a server-streaming handler
+
+    return method
+
+
+# The generated base class answers these with NotImplementedError, which the status
+# mapping would log as an internal error on every gateway poll.
+for _name in UNARY_UNIMPLEMENTED:
+    setattr(WorkerServicer, _name, _unary_unimplemented(_name))
+for _name in STREAM_UNIMPLEMENTED:
+    setattr(WorkerServicer, _name, _stream_unimplemented(_name))
+
+
+async def _until(events: AsyncIterator, aborted: asyncio.Event) -> AsyncIterator:
+    """``events`` until ``aborted`` is set; then one None, and ``events`` is left unread.
+
+    The caller's ``aclosing`` then closes the pipeline's generator, which aborts the
+    request in the engine (the same path as a cancelled stream).
+    """
+    waiter = asyncio.ensure_future(aborted.wait())
+    step: asyncio.Future | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait((step, waiter), return_when=asyncio.FIRST_COMPLETED)
+            if step not in done:
+                yield None
+                return
+            try:
+                event = step.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        waiter.cancel()
+        if step is not None and not step.done():  # aborted, or the call itself was cancelled
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await step
