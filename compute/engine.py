@@ -8,24 +8,22 @@ sequences. Stage 2 (compute/step_loop.py) drives ``add_request``/``step``/
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
+from compute.core.checks import RequestLimits
 from compute.core.config import EngineConfig
-from compute.core.outputs import RequestOutput, TokenLogprob
+from compute.core.messages import EngineStats, FinishReason, RequestOutput, TokenLogprob
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
-from compute.core.sequence import FinishReason, Sequence
+from compute.core.sequence import Sequence
 from compute.loaders import LoadedModel, load_model
 from compute.malloc_tuning import keep_freed_memory
 from compute.model import LlamaModel
 from compute.model_runner import ModelRunner, blocks_for_memory
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,23 +37,6 @@ class CompletionOutput:
     finish_reason: FinishReason
     logprobs: list[TokenLogprob | None]
     num_cached_tokens: int
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_blocks: int
-    num_free_blocks: int  # free + cached-but-unreferenced (evictable)
-    block_size: int
-    kv_usage: float  # fraction of blocks owned by live sequences
-    kv_slots_allocated: int  # block_size * blocks owned by live sequences
-    kv_slots_used: int  # tokens those sequences actually hold
-    num_preemptions: int  # cumulative
-    prefix_cache_hit_tokens: int  # cumulative
-    prompt_tokens: int  # cumulative prompt tokens computed
-    generation_tokens: int  # cumulative tokens sampled
 
 
 class Engine:
@@ -72,7 +53,6 @@ class Engine:
             loaded = load_model(config.model, dtype=dtype, device=device, seed=config.seed)
         self.device, self.dtype = device, dtype
         self.model_config = loaded.config
-        self.model_name = loaded.config.name
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
@@ -99,14 +79,11 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=tuple(loaded.config.eos_token_ids),
             num_host_blocks=num_host_blocks,
+            vocab_size=loaded.config.vocab_size,
         )
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
 
     def add_request(
         self,
@@ -116,10 +93,7 @@ class Engine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. ValueError naming the field if it can never be served."""
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        """Queue a request. FieldError naming the field if it can never be served."""
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -128,6 +102,11 @@ class Engine:
             priority=priority,
         )
         self.scheduler.add_request(seq)
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What a request must fit (stage 1 checks the same rules before admission)."""
+        return self.scheduler.limits
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is; its blocks are free when this returns."""

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 
-log = logging.getLogger(__name__)
+from compute.log import get_logger
+
+log = get_logger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3

@@ -55,7 +55,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_cache(num_blocks, model.device)
         # Host blocks for swap preemption; pinned when the model is on a GPU.
         self.host_caches = self._allocate_cache(num_host_blocks, "cpu") if num_host_blocks else []
-        self.sampler = Sampler(model.config.vocab_size, model.device, seed)
+        self.sampler = Sampler(model.config.vocab_size, seed)
 
     def _allocate_cache(self, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model.config

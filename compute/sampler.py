@@ -1,6 +1,6 @@
 """Sampler: one step's logits -> next token ids (and logprobs), on the model's device.
 
-The step loop calls ``Sampler.sample`` once per step with the logits of the sequences
+The model runner calls ``Sampler.sample`` once per step with the logits of the sequences
 that sample, one row per sequence in schedule order. Per row: penalties, then either
 greedy argmax (temperature 0) or temperature -> top-k -> top-p -> min-p -> random draw.
 Every stage is batched over the rows with per-row parameter tensors, and a stage that
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from compute.core.outputs import TokenLogprob
+from compute.core.messages import TokenLogprob
 from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
 from compute.penalties import Penalties
@@ -41,11 +41,10 @@ _MIN_TEMPERATURE = 1e-5
 class Sampler:
     """Batched, device-side sampling with per-request generators for seeded requests."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size: must be >= 1 (got {vocab_size!r})")
         self.vocab_size = vocab_size
-        self.device = torch.device(device)  # the expected device; the logits' device rules
         self.seed = seed
         self._penalties = Penalties(vocab_size)
         self._global_generators: dict[torch.device, torch.Generator] = {}

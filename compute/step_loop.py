@@ -1,9 +1,10 @@
 """Stage 2: the step loop, one thread that owns the engine.
 
 It receives ``AddRequest``/``Abort`` records on its inbox, runs ``engine.step()`` for as
-long as requests are in flight, and hands each step's deltas to stage 3 as one
-``StepOutputs`` record without waiting for them to be consumed. It never tokenizes,
-detokenizes or touches gRPC, so the accelerator is fed back to back.
+long as requests are in flight, and hands each step's ``RequestOutput`` records (as the
+scheduler made them) to stage 3 in one ``StepOutputs`` record, without waiting for them to
+be consumed. It never tokenizes, detokenizes or touches gRPC, so the accelerator is fed
+back to back.
 
 An engine exception fails only the requests in the engine at the time (each gets a
 ``RequestFailed``); the loop then goes on serving new requests.
@@ -17,24 +18,25 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import structlog
-
+from compute.core.errors import FieldError
 from compute.core.messages import (
     Abort,
     AddRequest,
+    EngineStats,
     FailureKind,
-    LogprobEntry,
     RequestFailed,
+    RequestOutput,
     Shutdown,
     StepOutputs,
-    TokenDelta,
 )
-from compute.core.outputs import RequestOutput, TokenLogprob
+from compute.log import get_logger
 
 if TYPE_CHECKING:
-    from compute.engine import Engine, EngineStats
+    from compute.engine import Engine
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
+# What a client sees when the engine failed; the traceback goes to the log only.
+_FAULT_MESSAGE = "the engine failed while running this request"
 
 Inbound = AddRequest | Abort | Shutdown
 Outbound = StepOutputs | RequestFailed
@@ -78,10 +80,10 @@ class StepLoop:
                     self._fail_all(FailureKind.UNAVAILABLE, "the server is shutting down")
                     return
                 self._dispatch(msg)
-            deltas, start, end = self._step() if self._in_flight else ((), None, None)
+            outputs, start, end = self._step() if self._in_flight else ((), None, None)
             self.stats = self._snapshot()
             now = time.monotonic()
-            self._send(StepOutputs(deltas, start or now, end or now, self.stats))
+            self._send(StepOutputs(outputs, start or now, end or now, self.stats))
 
     def _receive(self) -> list[Inbound]:
         """Everything queued; blocks for the first message only when nothing is in flight."""
@@ -119,12 +121,12 @@ class StepLoop:
                 priority=req.priority,
                 arrival_time=req.arrival_time,
             )
-        except ValueError as exc:
-            field = str(exc).split(":", 1)[0] if ":" in str(exc) else None
-            self._send(RequestFailed(req.request_id, FailureKind.INVALID_ARGUMENT, str(exc), field))
-        except Exception as exc:
+        except FieldError as exc:
+            kind = FailureKind.INVALID_ARGUMENT
+            self._send(RequestFailed(req.request_id, kind, exc.rule, exc.field))
+        except Exception:
             log.exception("engine.add_request failed", request_id=req.request_id)
-            self._send(RequestFailed(req.request_id, FailureKind.ENGINE_FAULT, repr(exc)))
+            self._send(RequestFailed(req.request_id, FailureKind.ENGINE_FAULT, _FAULT_MESSAGE))
         else:
             self._in_flight.add(req.request_id)
 
@@ -134,13 +136,13 @@ class StepLoop:
         except Exception:
             log.exception("engine.abort failed", request_id=request_id)
 
-    def _step(self) -> tuple[tuple[TokenDelta, ...], float, float]:
+    def _step(self) -> tuple[tuple[RequestOutput, ...], float, float]:
         start = time.monotonic()
         try:
             outs = self._engine.step()
-        except Exception as exc:
+        except Exception:
             log.exception("engine.step failed", num_requests=len(self._in_flight))
-            self._fail_all(FailureKind.ENGINE_FAULT, f"engine step failed: {exc!r}")
+            self._fail_all(FailureKind.ENGINE_FAULT, _FAULT_MESSAGE)
             return (), start, time.monotonic()
         end = time.monotonic()
         for out in outs:
@@ -149,7 +151,7 @@ class StepLoop:
         if not outs and not self._engine.has_unfinished():
             # The engine dropped requests without finishing them; don't spin on them.
             self._fail_all(FailureKind.ENGINE_FAULT, "the engine lost the request")
-        return tuple(_delta(out) for out in outs), start, end
+        return tuple(outs), start, end
 
     def _snapshot(self) -> EngineStats:
         try:
@@ -171,23 +173,3 @@ def run_step_loop(loop: StepLoop) -> threading.Thread:
     thread = threading.Thread(target=loop.run, name="headrace-step-loop", daemon=True)
     thread.start()
     return thread
-
-
-def _delta(out: RequestOutput) -> TokenDelta:
-    return TokenDelta(
-        request_id=out.request_id,
-        new_token_ids=tuple(out.new_token_ids),
-        logprobs=tuple(_logprob(lp) for lp in out.new_logprobs),
-        finished=out.finished,
-        finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
-        stop_token_id=out.stop_token_id,
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens,
-        num_output_tokens=out.num_output_tokens,
-        # Not (yet) part of RequestOutput; stage 3 falls back to the step's start time.
-        first_scheduled_time=out.first_scheduled_time,
-    )
-
-
-def _logprob(lp: TokenLogprob | None) -> LogprobEntry | None:
-    return None if lp is None else (lp.token_id, lp.logprob, tuple(lp.top))

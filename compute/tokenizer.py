@@ -76,7 +76,8 @@ def _pre_tokenizer(pre_type: str | None) -> pre_tokenizers.PreTokenizer:
     return byte_level
 
 
-def _metadata(reader: Any, key: str, default: Any = None) -> Any:
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    """A GGUF metadata value (``default`` when absent); the loader reads the rest with it."""
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
@@ -208,27 +209,27 @@ class Tokenizer:
             reader = gguf.GGUFReader(reader_or_path)
         else:
             reader = reader_or_path
-        model = _metadata(reader, "tokenizer.ggml.model")
+        model = gguf_field(reader, "tokenizer.ggml.model")
         if model != "gpt2":
             raise ValueError(f"unsupported GGUF tokenizer model {model!r} (only 'gpt2' BPE)")
-        tokens = _metadata(reader, "tokenizer.ggml.tokens")
-        merges = _metadata(reader, "tokenizer.ggml.merges")
+        tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+        merges = gguf_field(reader, "tokenizer.ggml.merges")
         if not tokens or not merges:
             raise ValueError("GGUF tokenizer metadata lacks tokens or merges")
-        hf = _byte_level_bpe(tokens, merges, _metadata(reader, "tokenizer.ggml.pre"))
-        _add_gguf_specials(hf, tokens, _metadata(reader, "tokenizer.ggml.token_type", []))
+        hf = _byte_level_bpe(tokens, merges, gguf_field(reader, "tokenizer.ggml.pre"))
+        _add_gguf_specials(hf, tokens, gguf_field(reader, "tokenizer.ggml.token_type", []))
         named = {
             name: tokens[token_id]
             for name in ("bos", "eos", "unknown", "padding")
-            if (token_id := _metadata(reader, f"tokenizer.ggml.{name}_token_id")) is not None
+            if (token_id := gguf_field(reader, f"tokenizer.ggml.{name}_token_id")) is not None
         }
-        if _metadata(reader, "tokenizer.ggml.add_bos_token", False) and "bos" in named:
+        if gguf_field(reader, "tokenizer.ggml.add_bos_token", False) and "bos" in named:
             hf.post_processor = _bos_processor(named["bos"], hf.token_to_id(named["bos"]))
         return cls(
             hf,
             bos_token=named.get("bos"),
             eos_token=named.get("eos"),
-            chat_template=_metadata(reader, "tokenizer.chat_template"),
+            chat_template=gguf_field(reader, "tokenizer.chat_template"),
             special_tokens={"unk_token": named.get("unknown"), "pad_token": named.get("padding")},
         )
 

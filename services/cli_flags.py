@@ -16,6 +16,7 @@ from typing import Any
 
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from services.log import FORMATS, LEVELS, LogConfig
+from services.pipeline import PipelineConfig
 from services.server_config import ServerConfig
 
 ENV_PREFIX = "HEADRACE_"
@@ -70,7 +71,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--dtype", "device.dtype", "precision",
          choices=("auto", "float32", "float16", "bfloat16")),
     Flag("--threads", "device.num_threads", "torch CPU threads (none = torch's)", _optional_int),
-    Flag("--cuda-graphs", "device.cuda_graphs", "capture decode steps in CUDA graphs", _bool),
+    Flag("--cuda-graphs", "device.cuda_graphs", "CUDA graphs for decode (no effect yet)", _bool),
     Flag("--block-size", "cache.block_size", "tokens per KV block (power of two)", int),
     Flag("--num-blocks", "cache.num_blocks", "KV blocks (none = from memory)", _optional_int),
     Flag("--kv-cache-memory-gib", "cache.memory_gib", "KV memory if --num-blocks unset", float),
@@ -96,8 +97,6 @@ OFFLINE_FLAGS = ("--model", "--device", "--dtype", "--threads", "--num-blocks",
 
 def sections() -> dict[str, type]:
     """Config dataclass of each FLAGS section."""
-    from services.pipeline import PipelineConfig
-
     return {
         "server": ServerConfig,
         "engine": EngineConfig,
@@ -112,7 +111,7 @@ def sections() -> dict[str, type]:
 @dataclass(frozen=True)
 class Configs:
     engine: EngineConfig
-    pipeline: Any  # services.pipeline.PipelineConfig (imported lazily: it pulls in torch)
+    pipeline: PipelineConfig
     server: ServerConfig
     log: LogConfig
 

@@ -1,15 +1,17 @@
 """Protobuf <-> domain records for the GenerationService (the servicer's two halves).
 
-``to_input`` validates what the wire format alone can tell (a missing input, an
-empty prompt, an unknown chat role, sampling ranges via ``SamplingParams``) and
-raises ``InvalidArgument`` naming the field by its path in the request. Checks
-that need the model (prompt length, vocabulary) happen in the pipeline; its
-field names are mapped to request paths by ``request_field``.
+``to_input`` checks what only the wire shape can tell (a missing input, an empty
+prompt or chat) and builds ``SamplingParams``, whose own rules name a domain field;
+``InvalidArgument`` then names the field by its path in the request. Checks that need
+the model (chat roles, prompt length, vocabulary) run in the pipeline; its field names
+are mapped to request paths by ``request_field``. Finish reasons become protobuf here
+and only here.
 """
 
 from __future__ import annotations
 
-from compute.core.outputs import TokenLogprob
+from compute.core.errors import FieldError
+from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams
 from services.domain import (
     ChatMessage,
@@ -21,7 +23,6 @@ from services.domain import (
 )
 from services.gen.headrace.v1 import generation_pb2 as pb
 
-CHAT_ROLES = ("system", "user", "assistant")
 MAX_REQUEST_ID_CHARS = 128
 # The optional fields of SamplingParams / StoppingCriteria that map 1:1 onto SamplingParams.
 _SAMPLING_FIELDS = (
@@ -47,25 +48,27 @@ _FIELD_PATHS = {
     **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
     **{name: f"stopping.{name}" for name in _STOPPING_FIELDS},
 }
-_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_FINISH_REASONS = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+}
 
 
-def request_field(field: str | None) -> str | None:
+def request_field(field: str) -> str:
     """The request path of a domain field name (``max_tokens`` -> ``stopping.max_tokens``)."""
-    if field is None:
-        return None
     head, dot, rest = field.partition(".")
     return _FIELD_PATHS.get(head, head) + dot + rest
 
 
-def invalid(field: str, rule: str) -> InvalidArgument:
-    return InvalidArgument(f"{field}: {rule}", field=field)
+def renamed(exc: InvalidArgument) -> InvalidArgument:
+    """The pipeline's InvalidArgument with its field named by its request path."""
+    return exc.at(request_field(exc.field))
 
 
 def to_input(request: pb.GenerateRequest, request_id: str) -> GenerateInput:
     """A validated GenerateInput; InvalidArgument names the offending request field."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise invalid("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
     return GenerateInput(
         request_id=request_id,
         **_prompt(request),
@@ -78,14 +81,14 @@ def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> dict:
     kind = request.WhichOneof("input")
     if kind is None:
         names = ", ".join(f.name for f in request.DESCRIPTOR.oneofs_by_name["input"].fields)
-        raise invalid("input", f"one of {names} is required")
+        raise InvalidArgument("input", f"one of {names} is required")
     if kind == "prompt":
         if not request.prompt:
-            raise invalid("prompt", "must not be empty")
+            raise InvalidArgument("prompt", "must not be empty")
         return {"prompt": request.prompt}
     if kind == "token_ids":
         if not request.token_ids.ids:
-            raise invalid("token_ids.ids", "must not be empty")
+            raise InvalidArgument("token_ids.ids", "must not be empty")
         return {"token_ids": tuple(request.token_ids.ids)}
     return {
         "chat": chat_messages(request.chat),
@@ -98,14 +101,9 @@ def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> dict:
 
 
 def chat_messages(chat: pb.Chat) -> tuple[ChatMessage, ...]:
+    """The messages; which roles are allowed is the chat template's business (stage 1)."""
     if not chat.messages:
-        raise invalid("chat.messages", "must not be empty")
-    for i, message in enumerate(chat.messages):
-        if message.role not in CHAT_ROLES:
-            raise invalid(
-                f"chat.messages[{i}].role",
-                f"must be one of {', '.join(CHAT_ROLES)} (got {message.role!r})",
-            )
+        raise InvalidArgument("chat.messages", "must not be empty")
     return tuple(ChatMessage(role=m.role, content=m.content) for m in chat.messages)
 
 
@@ -129,10 +127,8 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
             logprobs=request.logprobs or request.top_logprobs > 0,
             top_logprobs=request.top_logprobs,
         )
-    except ValueError as exc:
-        # SamplingParams says "<field>: <rule>"; name the field by its request path.
-        field, _, rule = str(exc).partition(": ")
-        raise invalid(request_field(field) or field, rule) from None
+    except FieldError as exc:
+        raise InvalidArgument(request_field(exc.field), exc.rule) from None
 
 
 def chunk_to_pb(chunk: Chunk) -> pb.Chunk:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compute.core.outputs import TokenLogprob
+from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class ChatMessage:
-    role: str  # "system", "user", "assistant" (validated against the template's roles)
+    role: str  # "system", "user", "assistant", "tool" (checked against the template's roles)
     content: str
 
 
@@ -57,7 +57,7 @@ class Timing:
 
 @dataclass(frozen=True)
 class Complete:
-    finish_reason: str  # "stop" or "length" (aborts never reach a client)
+    finish_reason: FinishReason  # STOP or LENGTH (aborts never reach a client)
     matched_stop: str  # the stop string or "" (stop token ids are reported as "")
     usage: Usage
     timing: Timing
@@ -77,17 +77,24 @@ class ModelInfo:
 
 
 class RequestError(Exception):
-    """A request failed; ``field`` names the offending request field, if any."""
+    """A request failed; ``code`` is the gRPC status code's name (services/status.py)."""
 
     code = "INTERNAL"
 
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
-
 
 class InvalidArgument(RequestError):
+    """A request field breaks a rule: ``"<field>: <rule>"``, the field by its request path."""
+
     code = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, rule: str) -> None:
+        super().__init__(f"{field}: {rule}")
+        self.field = field
+        self.rule = rule
+
+    def at(self, field: str) -> InvalidArgument:
+        """The same rule, with the field named as the caller's request spells it."""
+        return InvalidArgument(field, self.rule)
 
 
 class ResourceExhausted(RequestError):

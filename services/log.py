@@ -55,9 +55,3 @@ def configure(config: LogConfig = LogConfig()) -> None:
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(level, logging.WARNING), stream=sys.stderr, force=True)
-
-
-def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
-    """A logger whose lines carry ``component=name``; it follows later ``configure`` calls."""
-    # A lazy proxy: binding here would freeze whatever configuration exists at import time.
-    return structlog.get_logger(component=name)

@@ -9,12 +9,10 @@ A private ``CollectorRegistry`` rather than the global one lets tests build many
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-if TYPE_CHECKING:  # the engine module pulls in torch
-    from compute.engine import EngineStats
+from compute.core.messages import EngineStats
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,

@@ -19,16 +19,15 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-import structlog
-
 from compute.core.messages import (
     AddRequest,
     FailureKind,
     RequestFailed,
+    RequestOutput,
     Shutdown,
     StepOutputs,
-    TokenDelta,
 )
+from compute.log import get_logger
 from compute.tokenizer import Tokenizer
 from services.domain import (
     Chunk,
@@ -41,7 +40,7 @@ from services.domain import (
 from services.metrics import Metrics
 from services.request_state import Event, Outcome, RequestState, RequestStream
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Inbound = StepOutputs | RequestFailed | Shutdown
 
@@ -170,11 +169,11 @@ class OutputStage:
         if step.stats is not None and self._metrics is not None:
             self._metrics.observe_engine_stats(step.stats)
         now = time.monotonic()
-        for delta in step.deltas:
-            state = self._lookup(delta.request_id)
+        for output in step.outputs:
+            state = self._lookup(output.request_id)
             if state is None:
                 continue  # cancelled or already ended by a stop string
-            outcome = state.on_delta(delta, step.step_start, now)
+            outcome = state.on_output(output, step.step_start, now)
             self._observe(state, outcome, now)
             deliveries.add(state.stream, outcome.events)
             if outcome.done:
@@ -230,21 +229,21 @@ def _drain(inbox: queue.Queue[Inbound], limit: int = 64) -> list[Inbound]:
 
 
 def _split(step: StepOutputs, n: int, shard_of: Callable[[str], int]) -> dict[int, StepOutputs]:
-    """One StepOutputs per shard with deltas (shard 0 always, as it mirrors the stats)."""
-    parts: dict[int, list[TokenDelta]] = {0: []}
-    for delta in step.deltas:
-        parts.setdefault(shard_of(delta.request_id), []).append(delta)
+    """One StepOutputs per shard with outputs (shard 0 always, as it mirrors the stats)."""
+    parts: dict[int, list[RequestOutput]] = {0: []}
+    for output in step.outputs:
+        parts.setdefault(shard_of(output.request_id), []).append(output)
     return {
         shard: StepOutputs(
-            tuple(deltas), step.step_start, step.step_end, step.stats if shard == 0 else None
+            tuple(outputs), step.step_start, step.step_end, step.stats if shard == 0 else None
         )
-        for shard, deltas in parts.items()
+        for shard, outputs in parts.items()
     }
 
 
 def _error(msg: RequestFailed) -> RequestError:
     if msg.kind is FailureKind.INVALID_ARGUMENT:
-        return InvalidArgument(msg.message, field=msg.field)
+        return InvalidArgument(msg.field or "request", msg.message)
     if msg.kind is FailureKind.UNAVAILABLE:
         return Unavailable(msg.message)
     return EngineFault(msg.message)

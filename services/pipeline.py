@@ -22,9 +22,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import structlog
-
-from compute.core.messages import Abort, AddRequest, Shutdown
+from compute.core.messages import Abort, AddRequest, EngineStats, Shutdown
+from compute.log import get_logger
 from compute.step_loop import Inbound, StepLoop, run_step_loop
 from services.domain import (
     ChatMessage,
@@ -43,9 +42,9 @@ from services.request_state import RequestStream
 from services.tokenize_stage import TokenizeStage
 
 if TYPE_CHECKING:  # the engine module pulls in torch and the model
-    from compute.engine import Engine, EngineStats
+    from compute.engine import Engine
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,8 +115,9 @@ class Pipeline:
         self._metrics = metrics
         self._admission = Admission(config.max_pending)
         self._inbox: queue.Queue[Inbound] = queue.Queue()
-        vocab, max_len = engine.model_config.vocab_size, engine.max_model_len
-        self._stage1 = TokenizeStage(engine.tokenizer, vocab, max_len, config.tokenize_workers)
+        self._stage1 = TokenizeStage(
+            engine.tokenizer, engine.request_limits, config.tokenize_workers
+        )
         self._stage3 = OutputStage(engine.tokenizer, self._abort, metrics, config.output_workers)
         self._stage2 = StepLoop(
             engine, self._inbox, self._stage3.submit, self._admission.active_since
@@ -195,7 +195,7 @@ class Pipeline:
             dtype=str(engine.dtype).removeprefix("torch."),
             device=str(engine.device),
             block_size=engine.block_size,
-            kv_cache_capacity_tokens=engine.num_blocks * engine.block_size,
+            kv_cache_capacity_tokens=engine.request_limits.kv_capacity_tokens,
         )
 
     def engine_stats(self) -> EngineStats:

@@ -1,7 +1,7 @@
 """Stage 3's per-request state: one request's stream, detokenizer and stop matcher.
 
 ``RequestStream`` is the asyncio end a request's events are delivered to;
-``RequestState`` turns each ``TokenDelta`` into the ``Outcome`` (events, done, abort)
+``RequestState`` turns each step's ``RequestOutput`` into the ``Outcome`` (events, done, abort)
 that the output stage delivers.
 """
 
@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from compute.core.messages import AddRequest, TokenDelta
-from compute.core.outputs import TokenLogprob
+from compute.core.messages import AddRequest, FinishReason, RequestOutput
 from compute.tokenizer import Tokenizer
 from services.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from services.domain import Chunk, Complete, EngineFault, RequestError, Timing, Usage
@@ -54,7 +53,7 @@ class RequestState:
         self.first_token: float | None = None
         self.last_token: float | None = None
 
-    def on_delta(self, d: TokenDelta, step_start: float, now: float) -> Outcome:
+    def on_output(self, d: RequestOutput, step_start: float, now: float) -> Outcome:
         if self.first_scheduled is None:
             self.first_scheduled = d.first_scheduled_time or step_start
         text = self.detok.add(self._text_ids(d))
@@ -66,14 +65,14 @@ class RequestState:
             emit += self.stop.flush()
         out = Outcome([self._chunk(emit, d)] if d.new_token_ids or emit else [])
         if result.matched is not None:
-            out.events.append(self._complete("stop", result.matched, d, now))
+            out.events.append(self._complete(FinishReason.STOP, result.matched, d, now))
             out.done, out.abort_engine = True, not d.finished
         elif d.finished:
             out.events.append(self._finish(d, now))
             out.done = True
         return out
 
-    def _text_ids(self, d: TokenDelta) -> tuple[int, ...]:
+    def _text_ids(self, d: RequestOutput) -> tuple[int, ...]:
         # Like vLLM: the EOS/stop token that ended generation is not part of the text
         # unless the caller asked for stop strings/tokens in the output.
         ids = d.new_token_ids
@@ -82,8 +81,8 @@ class RequestState:
             return ids[:-1]
         return ids
 
-    def _chunk(self, text: str, d: TokenDelta) -> Chunk:
-        logprobs = tuple(TokenLogprob(*entry) for entry in d.logprobs if entry is not None)
+    def _chunk(self, text: str, d: RequestOutput) -> Chunk:
+        logprobs = tuple(lp for lp in d.new_logprobs if lp is not None)
         tokens = tuple(self._token_str(lp.token_id) for lp in logprobs)
         top_tokens = tuple(tuple(self._token_str(t) for t, _ in lp.top) for lp in logprobs)
         return Chunk(
@@ -104,13 +103,15 @@ class RequestState:
         except (ValueError, OverflowError):
             return ""
 
-    def _finish(self, d: TokenDelta, now: float) -> Event:
-        if d.finish_reason in ("stop", "length"):
+    def _finish(self, d: RequestOutput, now: float) -> Event:
+        if d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             return self._complete(d.finish_reason, "", d, now)
         # Aborts we asked for never come back; any other abort is the engine's doing.
         return EngineFault(f"the engine ended the request ({d.finish_reason})")
 
-    def _complete(self, reason: str, matched: str, d: TokenDelta, now: float) -> Complete:
+    def _complete(
+        self, reason: FinishReason, matched: str, d: RequestOutput, now: float
+    ) -> Complete:
         first_token = self.first_token if self.first_token is not None else now
         return Complete(
             finish_reason=reason,

@@ -19,11 +19,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from compute.log import get_logger
 from services.domain import Unavailable
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.http_endpoint import start_http
-from services.log import get_logger
 from services.server_config import ServerConfig
 from services.servicer import GenerationServicer
 from services.status import SERVICE_PREFIX, Continuation, StatusInterceptor, wrap_handler

@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from compute.log import get_logger
 from services import convert
-from services.domain import Complete, GenerateInput, InvalidArgument, RequestError
+from services.domain import Complete, EngineFault, GenerateInput, InvalidArgument, RequestError
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
-from services.log import get_logger
 from services.server_config import ServerConfig
-from services.status import error_message
 
 if TYPE_CHECKING:  # the servicer only needs the pipeline's interface
     from services.metrics import Metrics
@@ -72,7 +71,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             token_ids, tokens = await self._pipeline.tokenize(**args)
         except InvalidArgument as exc:
-            raise _renamed(exc) from None
+            raise convert.renamed(exc) from None
         return pb.TokenizeResponse(token_ids=token_ids, tokens=tokens)
 
     async def GetModelInfo(
@@ -101,21 +100,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except RequestError as exc:
             log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
             if isinstance(exc, InvalidArgument):
-                raise _renamed(exc) from None
+                raise convert.renamed(exc) from None
             raise
 
     def _batch_inputs(self, request: pb.GenerateBatchRequest, base_id: str) -> list[GenerateInput]:
         """Validated inputs of a batch; errors name ``requests[i].<field>``."""
         limit = self._config.max_batch_requests
         if not request.requests:
-            raise convert.invalid("requests", "must not be empty")
+            raise InvalidArgument("requests", "must not be empty")
         if len(request.requests) > limit:
-            raise convert.invalid("requests", f"at most {limit} (got {len(request.requests)})")
+            raise InvalidArgument("requests", f"at most {limit} (got {len(request.requests)})")
         inputs, seen = [], {}
         for i, item in enumerate(request.requests):
             request_id = item.request_id or (f"{base_id}-{i}" if base_id else str(uuid.uuid4()))
             if request_id in seen:
-                raise convert.invalid(
+                raise InvalidArgument(
                     f"requests[{i}].request_id", f"duplicate of requests[{seen[request_id]}]"
                 )
             seen[request_id] = i
@@ -166,7 +165,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await queue.put((i, exc))
         except Exception as exc:
             log.error("batch request failed", request_id=inp.request_id, exc_info=exc)
-            await queue.put((i, RequestError("internal error")))
+            await queue.put((i, EngineFault("internal error")))
 
 
 def _call_request_id(context: grpc.aio.ServicerContext, fallback: str | None = None) -> str:
@@ -181,20 +180,11 @@ def _metadata(metadata: Iterable | None) -> Iterable[tuple[str, str]]:
     return ((item[0], item[1]) for item in metadata or ())
 
 
-def _renamed(exc: InvalidArgument) -> InvalidArgument:
-    """The pipeline's InvalidArgument with its field named by its request path."""
-    field = convert.request_field(exc.field)
-    if field == exc.field:
-        return exc
-    rule = str(exc).removeprefix(f"{exc.field}: ")
-    return InvalidArgument(f"{field}: {rule}", field=field)
-
-
 def _in_batch(exc: RequestError, i: int) -> RequestError:
     """``exc`` as raised by request ``i`` of a batch: its field becomes ``requests[i].<field>``."""
-    if not exc.field:
-        return type(exc)(f"requests[{i}]: {exc}", field=f"requests[{i}]")
-    return type(exc)(f"requests[{i}].{error_message(exc)}", field=f"requests[{i}].{exc.field}")
+    if isinstance(exc, InvalidArgument):
+        return exc.at(f"requests[{i}].{exc.field}")
+    return type(exc)(f"requests[{i}]: {exc}")
 
 
 @contextlib.contextmanager

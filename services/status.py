@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 
+from compute.log import get_logger
 from services.domain import RequestError
-from services.log import get_logger
 
 SERVICE_PREFIX = "/headrace.v1.GenerationService/"
 _CODES = {code.name: code for code in grpc.StatusCode}
@@ -27,18 +27,10 @@ Around = Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager]
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
 
 
-def error_message(exc: RequestError) -> str:
-    """The client-facing message: ``"<field>: <what is wrong>"`` when a field is known."""
-    message = str(exc)
-    if exc.field and not message.startswith(exc.field):
-        return f"{exc.field}: {message}"
-    return message
-
-
 def status_of(exc: Exception, method: str = "") -> tuple[grpc.StatusCode, str]:
     """The status code and message a client gets for ``exc``."""
     if isinstance(exc, RequestError):
-        return _CODES.get(exc.code, grpc.StatusCode.INTERNAL), error_message(exc)
+        return _CODES.get(exc.code, grpc.StatusCode.INTERNAL), str(exc)
     log.error("unexpected error", method=method, exc_info=exc)
     return grpc.StatusCode.INTERNAL, "internal error"
 

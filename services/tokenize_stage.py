@@ -1,10 +1,11 @@
 """Stage 1: the tokenize pool, from a ``GenerateInput`` to an ``AddRequest``.
 
-Input-level validation (exactly one prompt form, known chat roles, token ids inside
-the vocabulary, prompt + max_tokens within the context), the chat template and
-tokenization run on a small thread pool so the asyncio loop and the step loop never
-wait for them. A bad request fails here with ``InvalidArgument`` naming the field,
-before anything reaches the engine.
+The prompt's own form (exactly one of prompt, token_ids, chat; roles the chat template
+knows), the chat template and tokenization run on a small thread pool so the asyncio loop
+and the step loop never wait for them; then ``check_request`` (compute/core/checks.py,
+the same rules the engine's admission runs) checks the ids against the vocabulary, the
+context and the KV cache. A bad request fails here with ``InvalidArgument`` naming the
+field, before anything reaches the engine.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import TypeVar
 
 import jinja2
 
+from compute.core.checks import RequestLimits, check_request
+from compute.core.errors import FieldError, capped
 from compute.core.messages import AddRequest
 from compute.tokenizer import Tokenizer
 from services.domain import ChatMessage, GenerateInput, InvalidArgument
@@ -27,15 +30,10 @@ class TokenizeStage:
     """Validates and tokenizes requests on ``num_workers`` threads."""
 
     def __init__(
-        self,
-        tokenizer: Tokenizer | None,
-        vocab_size: int,
-        max_model_len: int,
-        num_workers: int = 2,
+        self, tokenizer: Tokenizer | None, limits: RequestLimits, num_workers: int = 2
     ) -> None:
         self._tokenizer = tokenizer
-        self._vocab_size = vocab_size
-        self._max_model_len = max_model_len
+        self._limits = limits
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="headrace-tokenize")
 
     async def prepare(self, inp: GenerateInput, request_id: str, arrival: float) -> AddRequest:
@@ -63,17 +61,19 @@ class TokenizeStage:
 
     def build_request(self, inp: GenerateInput, request_id: str, arrival: float) -> AddRequest:
         field, ids = self._prompt_ids(inp)
-        self._check_ids(field, ids)
-        params = inp.params.with_max_tokens_for(len(ids), self._max_model_len)
-        self._check_length(field, len(ids), params.max_tokens)
-        self._check_params(inp)
+        if inp.params.stop and self._tokenizer is None:
+            raise InvalidArgument("stop", "stop strings need a model with a tokenizer")
+        try:
+            params = check_request(ids, inp.params, self._limits, field)
+        except FieldError as exc:
+            raise InvalidArgument(exc.field, exc.rule) from None
         return AddRequest(request_id, tuple(ids), params, inp.priority, arrival)
 
     def tokenize_now(
         self, prompt: str | None, chat: tuple[ChatMessage, ...] | None, add_generation_prompt: bool
     ) -> tuple[list[int], list[str]]:
         if (prompt is None) == (chat is None):
-            raise InvalidArgument("prompt: exactly one of prompt and chat must be set", "prompt")
+            raise InvalidArgument("prompt", "exactly one of prompt and chat must be set")
         if chat is not None:
             ids = self._chat_ids(chat, add_generation_prompt)
         else:
@@ -85,12 +85,10 @@ class TokenizeStage:
         """(name of the field the prompt came in, its token ids)."""
         forms = [f for f in ("prompt", "token_ids", "chat") if getattr(inp, f) is not None]
         if len(forms) != 1:
-            raise InvalidArgument(
-                "prompt: exactly one of prompt, token_ids and chat must be set", "prompt"
-            )
+            raise InvalidArgument("prompt", "exactly one of prompt, token_ids and chat must be set")
         field = forms[0]
         if not getattr(inp, field):
-            raise InvalidArgument(f"{field}: must not be empty", field)
+            raise InvalidArgument(field, "must not be empty")
         if field == "token_ids":
             return field, list(inp.token_ids)
         if field == "chat":
@@ -100,54 +98,21 @@ class TokenizeStage:
     def _chat_ids(self, chat: tuple[ChatMessage, ...], add_generation_prompt: bool) -> list[int]:
         tokenizer = self._require_tokenizer("chat")
         if not chat:
-            raise InvalidArgument("chat: must not be empty", "chat")
+            raise InvalidArgument("chat", "must not be empty")
         for i, message in enumerate(chat):
             if message.role not in tokenizer.chat_roles:
                 roles = ", ".join(sorted(tokenizer.chat_roles))
                 raise InvalidArgument(
-                    f"chat: message {i} has unknown role {message.role!r} (expected {roles})",
-                    "chat",
+                    f"chat.messages[{i}].role",
+                    f"must be one of {roles} (got {capped(message.role)})",
                 )
         messages = [{"role": m.role, "content": m.content} for m in chat]
         try:
             return tokenizer.encode_chat(messages, add_generation_prompt)
         except (jinja2.TemplateError, ValueError) as exc:  # e.g. the template's own checks
-            raise InvalidArgument(f"chat: {exc}", "chat") from exc
+            raise InvalidArgument("chat", capped(str(exc), quote=False)) from exc
 
     def _require_tokenizer(self, field: str) -> Tokenizer:
         if self._tokenizer is None:
-            raise InvalidArgument(f"{field}: this model has no tokenizer; send token_ids", field)
+            raise InvalidArgument(field, "this model has no tokenizer; send token_ids")
         return self._tokenizer
-
-    def _check_ids(self, field: str, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidArgument(f"{field}: tokenizes to no tokens", field)
-        bad = next((t for t in ids if not 0 <= t < self._vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(
-                f"{field}: token id {bad} is outside the vocabulary [0, {self._vocab_size})", field
-            )
-
-    def _check_length(self, field: str, num_prompt: int, max_tokens: int) -> None:
-        limit = self._max_model_len
-        if num_prompt >= limit:
-            raise InvalidArgument(
-                f"{field}: {num_prompt} prompt tokens leave no room in the {limit}-token context",
-                field,
-            )
-        if num_prompt + max_tokens > limit:
-            raise InvalidArgument(
-                f"max_tokens: {num_prompt} prompt tokens + max_tokens {max_tokens} exceed the "
-                f"model's {limit}-token context",
-                "max_tokens",
-            )
-
-    def _check_params(self, inp: GenerateInput) -> None:
-        bad = next((t for t in inp.params.stop_token_ids if t >= self._vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(
-                f"stop_token_ids: {bad} is outside the vocabulary [0, {self._vocab_size})",
-                "stop_token_ids",
-            )
-        if inp.params.stop and self._tokenizer is None:
-            raise InvalidArgument("stop: stop strings need a model with a tokenizer", "stop")

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from compute.core.checks import RequestLimits
 from compute.core.config import ModelConfig
-from compute.core.outputs import RequestOutput, TokenLogprob
+from compute.core.errors import FieldError
+from compute.core.messages import EngineStats, FinishReason, RequestOutput, TokenLogprob
 from compute.core.sampling_params import SamplingParams
-from compute.core.sequence import FinishReason
-from compute.engine import CompletionOutput, EngineStats
+from compute.engine import CompletionOutput
 from compute.tokenizer import Tokenizer
 
 
@@ -66,12 +67,13 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.block_size = 16
         self.num_blocks = 1024
+        self.request_limits = RequestLimits(max_model_len, self.num_blocks, self.block_size, vocab)
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.max_num_seqs = max_num_seqs
         self.step_delay = step_delay
         self.poison_token = poison_token  # a running prompt holding it makes step() raise
-        self.refuse_token: int | None = None  # a prompt holding it: add_request ValueError
+        self.refuse_token: int | None = None  # a prompt holding it: add_request FieldError
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.num_steps = 0
@@ -88,7 +90,7 @@ class FakeEngine:
         arrival_time: float | None = None,
     ) -> None:
         if self.refuse_token is not None and self.refuse_token in prompt_token_ids:
-            raise ValueError("prompt: the fake engine refuses this prompt")
+            raise FieldError("prompt", "the fake engine refuses this prompt")
         with self._lock:
             self._seqs[request_id] = _FakeSeq(list(prompt_token_ids), params)
             self.added.append(request_id)
@@ -128,8 +130,8 @@ class FakeEngine:
         lp = TokenLogprob(token, -0.25, ((token, -0.25),) * params.top_logprobs)
         return RequestOutput(
             request_id=request_id,
-            new_token_ids=[token],
-            new_logprobs=[lp if params.wants_logprobs else None],
+            new_token_ids=(token,),
+            new_logprobs=(lp if params.wants_logprobs else None,),
             finished=reason is not None,
             finish_reason=reason,
             stop_token_id=stop_id,

@@ -16,7 +16,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from compute.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from compute.core.messages import TokenLogprob
+from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
 from compute.core.sampling_params import SamplingParams
 
 _EMPTY = -1  # a slot nobody wrote

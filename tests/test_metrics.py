@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from compute.engine import EngineStats
+from compute.core.messages import EngineStats
 from services.metrics import Metrics
 
 EXPECTED_SAMPLES = {

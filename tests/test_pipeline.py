@@ -183,7 +183,7 @@ def test_max_pending_rejects_at_once(engine: FakeEngine) -> None:
         (GenerateInput("r"), "prompt"),
         (GenerateInput("r", token_ids=()), "token_ids"),
         (GenerateInput("r", token_ids=(5, 49152)), "token_ids"),
-        (GenerateInput("r", chat=(ChatMessage("wizard", "hi"),)), "chat"),
+        (GenerateInput("r", chat=(ChatMessage("wizard", "hi"),)), "chat.messages[0].role"),
         (GenerateInput("r", chat=()), "chat"),
         (request(prompt="Hi", max_tokens=2048), "max_tokens"),
         (GenerateInput("r", token_ids=(5,) * 2048), "token_ids"),

@@ -431,6 +431,6 @@ def test_cuda_seeded_invariance_and_logprobs() -> None:
         assert run_seeded(batch_size, row, sampler_seed=row, device="cuda") == alone
     seqs = [make_seq(f"r{i}", p) for i, p in enumerate(FILLERS)]
     logits = random_logits(len(FILLERS), SEED_VOCAB).cuda()
-    tokens, logprobs = Sampler(SEED_VOCAB, "cuda").sample(logits, seqs)
+    tokens, logprobs = Sampler(SEED_VOCAB).sample(logits, seqs)
     assert tokens[2] == int(logits[2].argmax())
     assert logprobs[-1] is not None and len(logprobs[-1].top) == 5

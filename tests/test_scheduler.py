@@ -7,10 +7,11 @@ import itertools
 import pytest
 
 from compute.core.config import CacheConfig, SchedulerConfig
+from compute.core.messages import FinishReason
 from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
-from compute.core.sequence import FinishReason, Sequence, SequenceStatus
+from compute.core.sequence import Sequence, SequenceStatus
 from tests.fake_runner import FakeRunner, reference_tokens
 
 B = 4
@@ -216,7 +217,7 @@ def test_recompute_preemption_evicts_newest_and_it_resumes_first():
     assert b.first_scheduled_time < c.first_scheduled_time  # b got back in before c
     h.run()
     assert h.tokens["a"] == h.reference(a) and h.tokens["b"] == h.reference(b)
-    assert h.sched.num_preemptions == len(preempted) and b.num_preemptions >= 1
+    assert h.sched.num_preemptions == len(preempted)
     assert h.sched.kv_manager.usage == 0
 
 
@@ -406,7 +407,7 @@ def test_abort_while_step_in_flight_is_skipped_by_update():
     h.sched.abort("a")
     outputs = h.sched.update_from_output(out, runner_out)
     assert [o.request_id for o in outputs] == ["b"]
-    h.tokens["b"] = outputs[0].new_token_ids
+    h.tokens["b"] = list(outputs[0].new_token_ids)
     assert a.num_computed_tokens == 0 and a.output_token_ids == []
     _assert_gone(h, a)
     h.run()
@@ -437,7 +438,7 @@ def test_stop_conditions(params, token, reason, stop_id):
     [res] = h.sched.update_from_output(out, _scripted(out, token))
     assert res.finished is (reason is not None)
     assert res.finish_reason is reason and res.stop_token_id == stop_id
-    assert res.new_token_ids == [token] and res.num_output_tokens == 1
+    assert res.new_token_ids == (token,) and res.num_output_tokens == 1
     if reason is None:
         out = h.sched.schedule()
         [res] = h.sched.update_from_output(out, _scripted(out, 5))

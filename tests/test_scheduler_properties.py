@@ -21,10 +21,11 @@ from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from compute.core.config import CacheConfig, SchedulerConfig
+from compute.core.messages import FinishReason
 from compute.core.outputs import SchedulerOutput
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
-from compute.core.sequence import FinishReason, Sequence, SequenceStatus
+from compute.core.sequence import Sequence, SequenceStatus
 from tests.fake_runner import FakeRunner, reference_tokens
 
 EOS = 2

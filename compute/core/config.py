@@ -118,7 +118,7 @@ class DeviceConfig:
     device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda", "cuda:N"
     dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on GPU), "float32", "float16", "bfloat16"
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
-    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU only)
+    cuda_graphs: bool = False  # reserved for CUDA-graph decode steps: no effect yet
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

@@ -42,7 +42,6 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # per request: leading blocks already cached
         self._host_tables: dict[str, list[int]] = {}  # per swapped request: its host blocks
         self.prefix_hit_tokens = 0  # cumulative tokens served by the prefix cache
-        self.prefix_query_tokens = 0  # cumulative tokens looked up at admission
 
     # -- capacity -----------------------------------------------------------
 
@@ -100,8 +99,7 @@ class KVCacheManager:
         parked_hits = sum(1 for b in computed_blocks if self._is_parked(b))
         if num_fresh > self.num_free_blocks - parked_hits:
             return False
-        if not seq.block_ids and not seq.num_computed_tokens:
-            self._count_lookup(seq, len(computed_blocks))
+        self.prefix_hit_tokens += len(computed_blocks) * self.block_size
         for block_id in computed_blocks:
             self._take(block_id)
         seq.block_ids.extend(computed_blocks)
@@ -175,9 +173,6 @@ class KVCacheManager:
             self.host_allocator.free(host_block)
         return list(zip(host_blocks, seq.block_ids, strict=True))
 
-    def is_swapped(self, seq: Sequence) -> bool:
-        return seq.request_id in self._host_tables
-
     # -- internals ----------------------------------------------------------
 
     def _block_keys(self, seq: Sequence, num_blocks: int) -> list[BlockKey]:
@@ -189,11 +184,6 @@ class KVCacheManager:
             tokens = seq.token_ids_slice(i * size, (i + 1) * size)
             keys.append(block_key(keys[-1] if keys else None, tokens))
         return keys[:num_blocks]
-
-    def _count_lookup(self, seq: Sequence, num_hit_blocks: int) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_query_tokens += seq.num_tokens
-            self.prefix_hit_tokens += num_hit_blocks * self.block_size
 
     def _is_parked(self, block_id: int) -> bool:
         return self.prefix_cache is not None and self.prefix_cache.is_evictable(block_id)

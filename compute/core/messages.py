@@ -1,25 +1,69 @@
 """Every record that crosses a stage boundary of the serving pipeline, in one place.
 
 Stage 1 (tokenize) -> stage 2 (step loop): ``AddRequest``; the facade and stage 3 ->
-stage 2: ``Abort``; stage 2 -> stage 3: ``StepOutputs`` (one per engine step) and
-``RequestFailed``; ``Shutdown`` ends a stage's loop. Records hold ints, strs, floats and
-tuples of them (plus the frozen ``SamplingParams`` and ``EngineStats`` records): never
-tensors, never asyncio objects, so a stage could move to another process unchanged.
+stage 2: ``Abort``; stage 2 -> stage 3: ``StepOutputs`` (one per engine step, carrying the
+scheduler's ``RequestOutput`` records as they were made, and an ``EngineStats`` snapshot)
+and ``RequestFailed``; ``Shutdown`` ends a stage's loop. Records are frozen and hold ints,
+strs, floats, enums and tuples of them (plus the frozen ``SamplingParams``): never tensors,
+never asyncio objects, so a stage could move to another process unchanged.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from compute.core.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the engine module pulls in torch; records only need the name
-    from compute.engine import EngineStats
 
-# (token_id, logprob, ((alt_id, alt_logprob), ...)) for one sampled token.
-LogprobEntry = tuple[int, float, tuple[tuple[int, float], ...]]
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # client cancel, deadline, disconnect, engine fault
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The logprob of one sampled token, and the best alternatives when asked."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one engine step produced for one request (a delta, not the whole text)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[TokenLogprob | None, ...]  # parallel to new_token_ids
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # the EOS/stop token that finished it, if any
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_output_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() of its first step
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's state right after a step (gauges) and its cumulative counts."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_blocks: int
+    num_free_blocks: int  # free + cached-but-unreferenced (evictable)
+    block_size: int
+    kv_usage: float  # fraction of blocks owned by live sequences
+    kv_slots_allocated: int  # block_size * blocks owned by live sequences
+    kv_slots_used: int  # tokens those sequences actually hold
+    num_preemptions: int  # cumulative
+    prefix_cache_hit_tokens: int  # cumulative
+    prompt_tokens: int  # cumulative prompt tokens computed
+    generation_tokens: int  # cumulative tokens sampled
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,26 +91,10 @@ class Shutdown:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenDelta:
-    """What one engine step produced for one request."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    logprobs: tuple[LogprobEntry | None, ...]  # parallel to new_token_ids
-    finished: bool
-    finish_reason: str | None  # FinishReason value: "stop", "length", "abort"
-    stop_token_id: int | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    first_scheduled_time: float | None  # time.monotonic(); None when unknown
-
-
-@dataclass(frozen=True, slots=True)
 class StepOutputs:
-    """One engine step's deltas plus the engine's stats right after it."""
+    """One engine step's outputs plus the engine's stats right after it."""
 
-    deltas: tuple[TokenDelta, ...]
+    outputs: tuple[RequestOutput, ...]
     step_start: float  # time.monotonic()
     step_end: float
     stats: EngineStats | None
@@ -85,4 +113,4 @@ class RequestFailed:
     request_id: str
     kind: FailureKind
     message: str
-    field: str | None = None
+    field: str | None = None  # the request field at fault (INVALID_ARGUMENT)

@@ -2,14 +2,16 @@
 
 ``Scheduler.schedule() -> SchedulerOutput``; ``ModelRunner.execute(...) ->
 ModelRunnerOutput`` (plain lists, no tensors);
-``Scheduler.update_from_output(...) -> list[RequestOutput]`` (per-request deltas).
+``Scheduler.update_from_output(...) -> list[RequestOutput]`` (per-request deltas; that
+record crosses to stage 3 as it is, so it lives in compute/core/messages.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compute.core.sequence import FinishReason, Sequence
+from compute.core.messages import TokenLogprob
+from compute.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -38,32 +40,9 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
-
-
 @dataclass
 class ModelRunnerOutput:
     # One entry per ScheduledSequence that samples, in schedule order.
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprob | None]
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (a delta, not the whole text)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob | None]
-    finished: bool
-    finish_reason: FinishReason | None = None
-    stop_token_id: int | None = None  # the EOS/stop token that finished it, if any
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    first_scheduled_time: float | None = None  # time.monotonic() of its first step

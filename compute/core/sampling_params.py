@@ -1,18 +1,27 @@
 """Per-request sampling and stopping parameters, validated once at admission.
 
-Validation raises ``ValueError`` whose message starts with the field name, so
-the service can map it to INVALID_ARGUMENT naming the field.
+Validation raises ``FieldError`` naming the field, so the service can map it to
+INVALID_ARGUMENT naming the request field. Float ranges are checked on the float32
+values the sampler computes with.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass, replace
+
+from compute.core.errors import FieldError, capped
 
 DEFAULT_MAX_TOKENS = 256  # new tokens when the request does not say
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# A penalty below this divides a logit past float32's range (inf, then NaN in softmax).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
+_UNSHOWN = object()
 
 
 @dataclass(frozen=True)
@@ -21,7 +30,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass, in (0, 1]
     top_k: int = -1  # -1 or 0 = all tokens
     min_p: float = 0.0  # drop tokens whose prob < min_p * max prob, in [0, 1]
-    repetition_penalty: float = 1.0  # HF semantics over prompt + output, > 0
+    repetition_penalty: float = 1.0  # HF semantics over prompt + output, in [0.01, 10]
     presence_penalty: float = 0.0  # OpenAI semantics over output, in [-2, 2]
     frequency_penalty: float = 0.0  # OpenAI semantics over output, in [-2, 2]
     seed: int | None = None  # per-request generator: same tokens alone or in any batch
@@ -34,58 +43,44 @@ class SamplingParams:
     top_logprobs: int = 0  # also return this many alternatives (<= 20)
 
     def __post_init__(self) -> None:
-        _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
-        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _check(self.top_k >= -1, "top_k", "must be -1 (disabled) or >= 0", self.top_k)
-        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        _check(
-            0 < self.repetition_penalty <= 10,
+        # The sampler computes in float32: a value valid as a Python float can be 0 or inf
+        # there (top_p=1e-300 is 0.0 and would drop every token), so ranges are checked
+        # on the float32 value.
+        _check_f32("temperature", self.temperature, 0.0, None, "must be >= 0 and finite")
+        _check_f32("top_p", self.top_p, 0.0, 1.0, "must be in (0, 1]", low_open=True)
+        _check("top_k", self.top_k >= -1, "must be -1 (disabled) or >= 0", self.top_k)
+        _check_f32("min_p", self.min_p, 0.0, 1.0, "must be in [0, 1]")
+        _check_f32(
             "repetition_penalty",
-            "must be in (0, 10]",
             self.repetition_penalty,
+            MIN_REPETITION_PENALTY,
+            MAX_REPETITION_PENALTY,
+            f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]",
         )
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(-2 <= value <= 2, name, "must be in [-2, 2]", value)
+            _check_f32(name, getattr(self, name), -2.0, 2.0, "must be in [-2, 2]")
+        ok = self.max_tokens is None or self.max_tokens >= 1
+        _check("max_tokens", ok, "must be >= 1", self.max_tokens)
         _check(
-            self.max_tokens is None or self.max_tokens >= 1,
-            "max_tokens",
-            "must be >= 1",
-            self.max_tokens,
-        )
-        _check(
-            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
             "top_logprobs",
+            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
             f"must be in [0, {MAX_TOP_LOGPROBS}]",
             self.top_logprobs,
         )
+        ok = self.seed is None or 0 <= self.seed < 2**63
+        _check("seed", ok, "must be in [0, 2^63)", self.seed)
+        _check("stop", len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} strings")
         _check(
-            self.seed is None or 0 <= self.seed < 2**63,
-            "seed",
-            "must be in [0, 2^63)",
-            self.seed,
-        )
-        _check(
-            len(self.stop) <= MAX_STOP_STRINGS,
             "stop",
-            f"at most {MAX_STOP_STRINGS} stop strings",
-            len(self.stop),
+            all(0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            f"each stop string must have 1..{MAX_STOP_STRING_CHARS} characters",
         )
-        for s in self.stop:
-            _check(
-                0 < len(s) <= MAX_STOP_STRING_CHARS,
-                "stop",
-                f"each stop string must have 1..{MAX_STOP_STRING_CHARS} characters",
-                len(s),
-            )
         _check(
-            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
             "stop_token_ids",
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
             f"at most {MAX_STOP_TOKEN_IDS} ids",
-            len(self.stop_token_ids),
         )
-        for tid in self.stop_token_ids:
-            _check(tid >= 0, "stop_token_ids", "ids must be >= 0", tid)
+        _check("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "ids must be >= 0")
 
     def with_max_tokens_for(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Resolve an unset max_tokens: the default, capped to the room the context leaves.
@@ -106,6 +101,32 @@ class SamplingParams:
         return self.logprobs or self.top_logprobs > 0
 
 
-def _check(ok: bool, field: str, rule: str, value: object) -> None:
+def _check(field: str, ok: bool, rule: str, value: object = _UNSHOWN) -> None:
     if not ok:
-        raise ValueError(f"{field}: {rule} (got {value!r})")
+        shown = "" if value is _UNSHOWN else f" (got {capped(value)})"
+        raise FieldError(field, rule + shown)
+
+
+def _check_f32(
+    field: str,
+    value: float,
+    low: float,
+    high: float | None,
+    rule: str,
+    low_open: bool = False,
+) -> None:
+    """``rule`` must hold for ``value`` as the float32 the sampler will compute with."""
+    f32, low = as_float32(value), as_float32(low)  # bounds compared as float32 too
+    ok = math.isfinite(f32) and (f32 > low if low_open else f32 >= low)
+    ok = ok and (high is None or f32 <= as_float32(high))
+    if not ok:
+        note = "" if f32 == value or math.isnan(value) else f", which is {f32!r} in float32"
+        raise FieldError(field, f"{rule} (got {capped(value)}{note})")
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to float32 (inf beyond its range), without numpy or torch."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)

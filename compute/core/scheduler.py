@@ -41,10 +41,13 @@ import itertools
 import time
 from collections.abc import Callable
 
+from compute.core.checks import RequestLimits, check_request
 from compute.core.config import CacheConfig, SchedulerConfig
+from compute.core.errors import FieldError
 from compute.core.kv_cache_manager import KVCacheManager
-from compute.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, TokenLogprob
-from compute.core.sequence import FinishReason, Sequence, SequenceStatus
+from compute.core.messages import FinishReason, RequestOutput, TokenLogprob
+from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
+from compute.core.sequence import Sequence, SequenceStatus
 from compute.core.step_plan import StepPlan
 
 
@@ -58,10 +61,11 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         num_host_blocks: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        vocab_size: int | None = None,
     ) -> None:
         self.config = scheduler_config
-        self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
+        self.limits = RequestLimits(max_model_len, num_blocks, cache_config.block_size, vocab_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.kv_manager = KVCacheManager(
@@ -103,44 +107,16 @@ class Scheduler:
     # -- admission and abort ------------------------------------------------
 
     def add_request(self, seq: Sequence) -> None:
-        """Queue ``seq``; ValueError naming the field if it could never be served."""
-        seq.sampling_params = seq.sampling_params.with_max_tokens_for(
-            seq.num_prompt_tokens, self.max_model_len
-        )
-        self._check_admissible(seq)
+        """Queue ``seq``; FieldError naming the field if it could never be served."""
+        if seq.request_id in self._requests:
+            raise FieldError("request_id", f"{seq.request_id!r} is already in flight")
+        seq.sampling_params = check_request(seq.prompt_token_ids, seq.sampling_params, self.limits)
         seq.status = SequenceStatus.WAITING
         self._requests[seq.request_id] = seq
         arrival = (seq.arrival_time, next(self._arrivals))
         prio = (seq.priority,) if self.config.policy == "priority" else ()
         self._order[seq.request_id] = prio + arrival
         self._insert(self.waiting, seq)
-
-    def _check_admissible(self, seq: Sequence) -> None:
-        if seq.request_id in self._requests:
-            raise ValueError(f"request_id: {seq.request_id!r} is already in flight")
-        n, m, limit = seq.num_prompt_tokens, seq.sampling_params.max_tokens, self.max_model_len
-        num_blocks, size = self.kv_manager.num_blocks, self.block_size
-        if n == 0:
-            raise ValueError("prompt: must contain at least one token")
-        if n >= limit:
-            raise ValueError(
-                f"prompt: prompt of {n} tokens leaves no room for output "
-                f"within max_model_len {limit}"
-            )
-        if n + m > limit:
-            raise ValueError(
-                f"max_tokens: prompt of {n} tokens + max_tokens {m} exceeds max_model_len {limit}"
-            )
-        if self.kv_manager.blocks_needed(n + 1) > num_blocks:
-            raise ValueError(
-                f"prompt: prompt of {n} tokens can never fit the KV cache "
-                f"({num_blocks} blocks of {size} tokens)"
-            )
-        if self.kv_manager.blocks_needed(n + m) > num_blocks:
-            raise ValueError(
-                f"max_tokens: prompt of {n} tokens + max_tokens {m} can never fit the KV cache "
-                f"({num_blocks} blocks of {size} tokens)"
-            )
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks now; False if unknown."""
@@ -209,7 +185,6 @@ class Scheduler:
         _remove(self.running, seq)
         step.drop(seq)
         step.preempted.append(seq.request_id)
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         swap = self.config.preemption_mode == "swap"
         if swap and self.kv_manager.can_swap_out(seq):
@@ -292,8 +267,8 @@ class Scheduler:
             self._retire(seq, reason)
         return RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=[token_id],
-            new_logprobs=[logprob],
+            new_token_ids=(token_id,),
+            new_logprobs=(logprob,),
             finished=reason is not None,
             finish_reason=reason,
             stop_token_id=stop_token_id,

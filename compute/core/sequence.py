@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from compute.core.messages import FinishReason
 from compute.core.sampling_params import SamplingParams
 
 
@@ -17,12 +18,6 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"  # preempted with its blocks on the host (preemption_mode=swap)
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS, stop token or stop string
-    LENGTH = "length"  # max_tokens or max_model_len
-    ABORT = "abort"  # client cancel, deadline, disconnect, engine fault
 
 
 @dataclass
@@ -38,7 +33,6 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)  # the block table
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

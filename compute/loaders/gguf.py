@@ -7,7 +7,6 @@ llama.cpp's names to HF Llama names and cast to the requested dtype and device.
 
 from __future__ import annotations
 
-import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,10 @@ from tqdm import tqdm
 
 from compute.core.config import ModelConfig
 from compute.loaders.base import LoadedModel, ModelLoadError, check_weights
-from compute.tokenizer import Tokenizer
+from compute.log import get_logger
+from compute.tokenizer import Tokenizer, gguf_field
 
-logger = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 # llama.cpp's converter permutes Q/K rows of these for its rotary layout (see _unpermute).
@@ -76,13 +76,8 @@ def _open(path: Path) -> gguf.GGUFReader:
         ) from err
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def _architecture(reader: gguf.GGUFReader, path: Path) -> str:
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {supported})")
@@ -95,8 +90,8 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
     hidden = _required(reader, path, f"{arch}.embedding_length")
     num_heads = _required(reader, path, f"{arch}.attention.head_count")
-    if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
-        logger.warning("%s: RoPE scaling metadata is ignored", path)
+    if gguf_field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
+        log.warning("RoPE scaling metadata is ignored", path=str(path))
     try:
         return ModelConfig(
             name=path.name.removesuffix(".gguf"),
@@ -106,11 +101,11 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
             intermediate_size=_required(reader, path, f"{arch}.feed_forward_length"),
             num_layers=_required(reader, path, f"{arch}.block_count"),
             num_heads=num_heads,
-            num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", num_heads),
-            head_dim=_field(reader, f"{arch}.attention.key_length", hidden // num_heads),
-            rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            rms_norm_eps=_f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=_field(reader, f"{arch}.context_length", 4096),
+            num_kv_heads=gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads),
+            head_dim=gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads),
+            rope_theta=_f32(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=_f32(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=gguf_field(reader, f"{arch}.context_length", 4096),
             tie_word_embeddings="output.weight" not in names,
             qkv_bias="blk.0.attn_q.bias" in names,
             bos_token_id=tokenizer.bos_token_id,
@@ -121,7 +116,7 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
 
 
 def _required(reader: gguf.GGUFReader, path: Path, key: str) -> int:
-    value = _field(reader, key)
+    value = gguf_field(reader, key)
     if value is None:
         raise ModelLoadError(f"{path}: missing metadata key {key}")
     return int(value)
@@ -180,7 +175,11 @@ def _read_weights(
         name = _hf_name(tensor.name)
         if name is None:
             if tensor.name in _IGNORED_TENSORS:
-                logger.warning("%s: ignoring %s (RoPE scaling is not supported)", path, tensor.name)
+                log.warning(
+                    "ignoring tensor: RoPE scaling is not supported",
+                    path=str(path),
+                    tensor=tensor.name,
+                )
                 continue
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name}")
         weight = torch.from_numpy(_dequantize(tensor, path))

@@ -7,7 +7,6 @@ checkpoints (`*.bin`, `*.pt`) are refused because unpickling runs arbitrary code
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,10 @@ from tqdm import tqdm
 
 from compute.core.config import ModelConfig
 from compute.loaders.base import PICKLE_SUFFIXES, LoadedModel, ModelLoadError, check_weights
+from compute.log import get_logger
 from compute.tokenizer import Tokenizer
 
-logger = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # model_type -> the CausalLM class transformers would build; both spellings are accepted.
 SUPPORTED_MODEL_TYPES = {
@@ -88,7 +88,7 @@ def _rope_theta(raw: dict[str, Any], path: Path) -> float:
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or params
     if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-        logger.warning("%s: RoPE scaling %r is ignored", path, scaling.get("rope_type"))
+        log.warning("RoPE scaling is ignored", path=str(path), rope_type=scaling.get("rope_type"))
     return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
 
 

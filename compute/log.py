@@ -1,0 +1,15 @@
+"""One logging style for every module: structlog with the module as ``component``.
+
+``log = get_logger(__name__)`` at the top of a module; services/log.py configures the
+output (JSON lines, or a console renderer on a TTY) once at start-up.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+
+def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
+    """A logger whose lines carry ``component=name``; it follows later configuration."""
+    # A lazy proxy: binding here would freeze whatever configuration exists at import time.
+    return structlog.get_logger(component=name)
