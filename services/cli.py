@@ -46,7 +46,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
 
     info = commands.add_parser("info", help="print the served model's GetModelInfo as JSON")
     _add_server_flag(info, environ)
-    health = commands.add_parser("health", help="grpc.health.v1 check; exit 0 when SERVING")
+    health = commands.add_parser(
+        "health", help="grpc.health.v1 check; exit 0 SERVING, 1 not, 2 unreachable",
+        description=HEALTH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     _add_server_flag(health, environ)
     health.add_argument("--service", default="", help='service to check ("" = whole server)')
     export = commands.add_parser(
@@ -70,6 +73,11 @@ EXPORT_HELP = (
     "(smg --tokenizer-path DIR). `serve` writes the same files at start-up (--tokenizer-dir) "
     "and reports the path in the vLLM worker protocol's GetModelInfo."
 )
+HEALTH_HELP = """Ask the server's grpc.health.v1 service; print the status; the exit code says it:
+  0  SERVING
+  1  answered, but not SERVING (NOT_SERVING while loading or draining; unknown --service)
+  2  no answer: connection refused, name not resolved, or --timeout (default 5 s) passed
+Container HEALTHCHECKs and scripts use it as the probe."""
 GEN_HELP = (
     "Generate from --prompt, --chat (one user message) or stdin; the text goes to stdout, "
     "a summary line to stderr."
@@ -190,10 +198,19 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
+    import grpc
+
     from services.client import Client
 
-    with Client(args.server, timeout=args.timeout) as remote:
-        status = remote.health(args.service)
+    try:
+        with Client(args.server, timeout=args.timeout or 5.0) as remote:
+            status = remote.health(args.service)
+    except grpc.RpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            print(f"UNREACHABLE: {exc.code().name}: {exc.details()}")
+            return 2
+        print(f"{exc.code().name}: {exc.details()}")  # e.g. NOT_FOUND for an unknown service
+        return 1
     print(status)
     return 0 if status == "SERVING" else 1
 

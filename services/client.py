@@ -92,7 +92,8 @@ class Client:
     def health(self, service: str = "") -> str:
         """The grpc.health.v1 status name of ``service`` ("" = the whole server)."""
         stub = health_pb2_grpc.HealthStub(self._channel)
-        response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        request = health_pb2.HealthCheckRequest(service=service)
+        response = stub.Check(request, timeout=self._timeout or 5.0)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""The gRPC server: GenerationService, health, reflection, /metrics, graceful drain.
+"""The gRPC server: GenerationService, health, reflection, /metrics + /health, drain.
 
 ``Server`` wires a started pipeline into a grpc.aio server. On SIGTERM or
 SIGINT, ``serve`` drains: health turns NOT_SERVING, new GenerationService calls
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
@@ -25,6 +24,7 @@ from compute.log import get_logger
 from services.domain import Unavailable
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
+from services.http_endpoint import start_http
 from services.server_config import ServerConfig
 from services.servicer import GenerationServicer
 from services.status import (
@@ -129,11 +129,7 @@ class Server:
         """Bind, start answering, report SERVING, and start the metrics endpoint."""
         self._server = grpc.aio.server(
             interceptors=[StatusInterceptor(), self._gate],  # first = outermost
-            options=[
-                ("grpc.max_send_message_length", self.config.max_message_bytes),
-                ("grpc.max_receive_message_length", self.config.max_message_bytes),
-                *KEEPALIVE_OPTIONS,
-            ],
+            options=[*self.config.grpc_options(), *KEEPALIVE_OPTIONS],
         )
         pb_grpc.add_GenerationServiceServicer_to_server(
             GenerationServicer(self._pipeline, self.config, self._metrics), self._server
@@ -157,8 +153,11 @@ class Server:
     def _start_metrics(self) -> None:
         if self._metrics is None or self.config.metrics_port < 0:
             return
-        self._http, _ = prometheus_client.start_http_server(
-            self.config.metrics_port, addr=self.config.host, registry=self._metrics.registry
+        self._http = start_http(
+            self.config.host,
+            self.config.metrics_port,
+            self._metrics.registry,
+            serving=lambda: not self._gate.draining,
         )
         self.metrics_port = self._http.server_port
 

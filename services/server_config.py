@@ -22,6 +22,10 @@ class ServerConfig:
     # Where serve writes the model's tokenizer for gateways (vLLM worker protocol's
     # GetModelInfo.tokenizer_path); "" = a fresh temporary directory.
     tokenizer_dir: str = ""
+    # Connections older than this get a GOAWAY, so clients behind an L4 balancer reconnect
+    # and spread over new replicas; 0 = never. Streams in flight then get the grace.
+    max_connection_age: float = 0.0
+    max_connection_age_grace: float = 300.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -32,8 +36,27 @@ class ServerConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")
+        if self.max_connection_age < 0:
+            raise ValueError(f"max_connection_age must be >= 0, got {self.max_connection_age}")
+        if self.max_connection_age_grace < 0:
+            raise ValueError(
+                f"max_connection_age_grace must be >= 0, got {self.max_connection_age_grace}"
+            )
         if self.max_batch_requests <= 0:
             raise ValueError(f"max_batch_requests must be positive, got {self.max_batch_requests}")
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """Message-size and connection-age options of the grpc server."""
+        options = [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
+        if self.max_connection_age > 0:
+            options += [
+                ("grpc.max_connection_age_ms", int(self.max_connection_age * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(self.max_connection_age_grace * 1000)),
+            ]
+        return options
 
     @property
     def address(self) -> str:
