@@ -298,7 +298,7 @@ def run_seeded(
     batch_size: int, row: int, sampler_seed: int, steps: int = 12, device: str = "cpu"
 ) -> list[int]:
     """The target's tokens over ``steps`` steps, at ``row`` of a batch of fillers."""
-    sampler = Sampler(SEED_VOCAB, device, seed=sampler_seed)
+    sampler = Sampler(SEED_VOCAB, seed=sampler_seed)
     filler_gen = torch.Generator().manual_seed(sampler_seed)
     target = make_seq("target", TARGET, prompt=(4, 8, 15, 16, 23, 42))
     others = [make_seq(f"f{i}", FILLERS[i % len(FILLERS)]) for i in range(batch_size - 1)]
