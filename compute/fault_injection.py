@@ -47,4 +47,7 @@ class FaultInjector:
         return tokens
 
     def _armed(self, seq, targets: set[str]) -> bool:
-        return seq.request_id in targets and seq.num_output_tokens >= self.after_tokens
+        # The pipeline makes engine ids "<client request id>#<n>"; either form matches.
+        client_id = seq.request_id.rpartition("#")[0] or seq.request_id
+        hit = seq.request_id in targets or client_id in targets
+        return hit and seq.num_output_tokens >= self.after_tokens

@@ -6,7 +6,9 @@ server (services/server.py) and servicer read it and nothing else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.input_limits import InputLimits
 
 MIB = 1024 * 1024
 
@@ -19,6 +21,7 @@ class ServerConfig:
     max_message_bytes: int = 16 * MIB  # largest gRPC message sent or received
     grace_period: float = 30.0  # seconds streams in flight get to finish on SIGTERM
     max_batch_requests: int = 64  # most requests in one GenerateBatch call
+    limits: InputLimits = field(default_factory=InputLimits)  # sizes checked before tokenizing
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
