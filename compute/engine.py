@@ -20,6 +20,7 @@ from compute.core.messages import EngineStats, FinishReason, RequestOutput, Toke
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence
+from compute.fault_isolation import run_isolating
 from compute.loaders import LoadedModel, load_model
 from compute.malloc_tuning import keep_freed_memory
 from compute.model import LlamaModel
@@ -87,6 +88,7 @@ class Engine:
             vocab_size=loaded.config.vocab_size,
         )
         self._ids = itertools.count()
+        self._failed: list[tuple[str, str]] = []
         self._prompt_tokens = 0
         self._generation_tokens = 0
 
@@ -119,11 +121,22 @@ class Engine:
         self.runner.sampler.forget(request_id)
 
     def step(self) -> list[RequestOutput]:
+        """One step. A request that made it fail is aborted and listed by ``take_failed``;
+        the others get their outputs as if it had not been there."""
         sched = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched)
+        self.runner.swap(sched)
+        runner_out = run_isolating(self.runner, sched.scheduled)
+        for request_id, message in runner_out.faulty.items():
+            self.abort(request_id)  # update_from_output skips aborted requests
+            self._failed.append((request_id, message))
         outputs = self.scheduler.update_from_output(sched, runner_out)
         self._count_tokens(sched, outputs)
         return outputs
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request_id, client message) of requests the engine failed since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _count_tokens(self, sched, outputs: list[RequestOutput]) -> None:
         for item in sched.scheduled:

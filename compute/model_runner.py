@@ -11,13 +11,16 @@ from dataclasses import dataclass
 import torch
 
 from compute.core.config import CacheConfig, ModelConfig
-from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
+from compute.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from compute.core.sequence import Sequence
+from compute.fault_injection import FaultInjector
 from compute.model import LlamaModel
 from compute.sampler import Sampler
 from kernels.metadata import AttentionMetadata
 
 GIB = 1024**3
+# What a client sees when its sampled id was out of range (the details go to the log).
+BAD_TOKEN_MESSAGE = "the sampler produced an invalid token id for this request"
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -56,6 +59,16 @@ class ModelRunner:
         # Host blocks for swap preemption; pinned when the model is on a GPU.
         self.host_caches = self._allocate_cache(num_host_blocks, "cpu") if num_host_blocks else []
         self.sampler = Sampler(model.config.vocab_size, seed)
+        self._faults: FaultInjector | None = None  # test-only (compute/fault_injection.py)
+
+    @property
+    def faults(self) -> FaultInjector | None:
+        return self._faults
+
+    @faults.setter
+    def faults(self, injector: FaultInjector | None) -> None:
+        self._faults = injector
+        self.sampler.faults = injector
 
     def _allocate_cache(self, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model.config
@@ -70,27 +83,49 @@ class ModelRunner:
         ]
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.swap(sched)
+        return self.run(sched.scheduled)
+
+    def swap(self, sched: SchedulerOutput) -> None:
+        """The step's block copies; done once per step, before any forward."""
         self._swap(sched.blocks_to_swap_out, to_host=True)
         self._swap(sched.blocks_to_swap_in, to_host=False)
-        if sched.is_empty:
+
+    def run(self, scheduled: list[ScheduledSequence]) -> ModelRunnerOutput:
+        """Forward + sample for ``scheduled`` (any subset of a step: the engine retries
+        subsets to isolate a fault; rewriting a position's K/V gives the same values)."""
+        self.sampler.commit()
+        if not scheduled:
             return ModelRunnerOutput([], [], [])
-        batch = self.prepare(sched)
+        batch = self.prepare(scheduled)
+        if self._faults is not None:
+            self._faults.check_forward([item.seq for item in scheduled])
         hidden = self.model.forward(batch.token_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sampling_seqs:
             return ModelRunnerOutput([], [], [])
         logits = self.model.compute_logits(hidden[batch.sample_rows])
         token_ids, logprobs = self.sampler.sample(logits, batch.sampling_seqs)
-        return ModelRunnerOutput(
-            request_ids=[s.request_id for s in batch.sampling_seqs],
-            sampled_token_ids=token_ids,
-            logprobs=logprobs,
-        )
+        return self._checked(batch.sampling_seqs, token_ids, logprobs)
 
-    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+    def _checked(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> ModelRunnerOutput:
+        """The output, with rows whose id is outside [0, vocab) moved to ``faulty``: such an
+        id must never reach the embedding lookup (it would fail the whole next step)."""
+        vocab = self.sampler.vocab_size
+        out = ModelRunnerOutput([], [], [])
+        for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
+            if 0 <= token < vocab:
+                out.request_ids.append(seq.request_id)
+                out.sampled_token_ids.append(token)
+                out.logprobs.append(logprob)
+            else:
+                out.faulty[seq.request_id] = BAD_TOKEN_MESSAGE
+        return out
+
+    def prepare(self, scheduled: list[ScheduledSequence]) -> StepBatch:
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, tables, sample_rows, sampling = [], [], [], [], []
-        for item in sched.scheduled:
+        for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             token_ids.extend(seq.token_ids_slice(start, end))

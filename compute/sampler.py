@@ -20,6 +20,11 @@ Conventions:
   generator in one batched draw. (An exponential race, ``argmax(probs / E)``, needs a
   vocabulary's worth of random numbers per token: 3M per step at batch 64, which cost
   more than the model's attention on a CPU.)
+- Top-p always keeps each row's best token, whatever ``top_p`` is, so a row can never
+  be left with no token to draw (which would pick id == vocab).
+- ``rewind`` undoes the last ``sample`` call's draws from the generators, so the engine
+  can run a failed step again (without the request at fault) and every seeded request
+  still gets the tokens it would have got.
 - Call ``forget`` when a request finishes or aborts, not when it is preempted: a
   preempted request resumes its seeded stream where it stopped.
 """
@@ -31,6 +36,7 @@ import torch
 from compute.core.messages import TokenLogprob
 from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
+from compute.fault_injection import FaultInjector
 from compute.penalties import Penalties
 
 # Below this the division overflows to inf (then NaN in softmax) for large logits;
@@ -49,6 +55,9 @@ class Sampler:
         self._penalties = Penalties(vocab_size)
         self._global_generators: dict[torch.device, torch.Generator] = {}
         self._request_generators: dict[str, torch.Generator] = {}
+        # Generator states before the last sample call's draws (see ``rewind``).
+        self._states_before: list[tuple[torch.Generator, torch.Tensor]] = []
+        self.faults: FaultInjector | None = None  # test-only (compute/fault_injection.py)
 
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence]
@@ -60,8 +69,21 @@ class Sampler:
         logits = logits.float()  # no copy when already float32
         penalized = self._penalties.apply(logits, seqs)
         tokens = self._choose(penalized, seqs)
+        if self.faults is not None:
+            self.faults.check_sampling(seqs)
+            tokens = self.faults.corrupt(tokens, seqs, self.vocab_size)
         logprobs = compute_logprobs(logits, tokens, [s.sampling_params for s in seqs])
         return tokens.tolist(), logprobs
+
+    def commit(self) -> None:
+        """Keep the draws made so far: a later ``rewind`` goes back no further."""
+        self._states_before = []
+
+    def rewind(self) -> None:
+        """Put every generator drawn from since ``commit`` back where it was."""
+        for generator, state in reversed(self._states_before):
+            generator.set_state(state)
+        self._states_before = []
 
     def forget(self, request_id: str) -> None:
         """Drop the request's generator and cached prompt (finished or aborted)."""
@@ -104,16 +126,16 @@ class Sampler:
         seeded = [i for i, s in enumerate(seqs) if s.sampling_params.seed is not None]
         unseeded = [i for i, s in enumerate(seqs) if s.sampling_params.seed is None]
         if unseeded:
+            generator = self._global_generator(device)
+            self._states_before.append((generator, generator.get_state()))
             draws = torch.rand(
-                len(unseeded),
-                dtype=torch.float64,
-                device=device,
-                generator=self._global_generator(device),
+                len(unseeded), dtype=torch.float64, device=device, generator=generator
             )
             u[_index(unseeded, device)] = draws
         for i in seeded:
             # Exactly one draw per token keeps the stream independent of the batch.
             generator = self._request_generator(seqs[i], device)
+            self._states_before.append((generator, generator.get_state()))
             u[i] = torch.rand(1, dtype=torch.float64, device=device, generator=generator)[0]
         return u
 
@@ -162,9 +184,10 @@ def apply_top_k_top_p(
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # 0 for the best token: always kept
+        mass_before = probs.cumsum(dim=-1) - probs
         # Rows with top_p == 1 are excluded outright: rounding can push the mass to 1.
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False  # the best token always stays, even for a top_p that is 0.0
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

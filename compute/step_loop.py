@@ -6,8 +6,9 @@ scheduler made them) to stage 3 in one ``StepOutputs`` record, without waiting f
 be consumed. It never tokenizes, detokenizes or touches gRPC, so the accelerator is fed
 back to back.
 
-An engine exception fails only the requests in the engine at the time (each gets a
-``RequestFailed``); the loop then goes on serving new requests.
+A request the engine traced a step failure to (``Engine.take_failed``) gets a
+``RequestFailed`` alone. An exception out of ``engine.step()`` itself fails the requests
+in the engine at the time; the loop then goes on serving new requests.
 """
 
 from __future__ import annotations
@@ -145,6 +146,10 @@ class StepLoop:
             self._fail_all(FailureKind.ENGINE_FAULT, _FAULT_MESSAGE)
             return (), start, time.monotonic()
         end = time.monotonic()
+        for request_id, message in self._engine.take_failed():
+            if request_id in self._in_flight:
+                self._in_flight.discard(request_id)
+                self._send(RequestFailed(request_id, FailureKind.ENGINE_FAULT, message))
         for out in outs:
             if out.finished:
                 self._in_flight.discard(out.request_id)

@@ -255,6 +255,21 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text are matched as specials."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(self.encode(text))``, in O(1): no token covers more than
+        ``max_token_chars`` characters of the input. Lets a caller refuse a text that can
+        never fit a context before spending seconds and gigabytes tokenizing it."""
+        return -(-len(text) // self.max_token_chars)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most input characters one token can stand for (with a margin when a
+        normalizer, which can shrink text, runs before the model)."""
+        longest = max(
+            (len(token) for token in self.hf.get_vocab(with_added_tokens=True)), default=1
+        )
+        return max(1, longest) * (4 if self.hf.normalizer is not None else 1)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 

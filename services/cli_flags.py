@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from services.input_limits import InputLimits
 from services.log import FORMATS, LEVELS, LogConfig
 from services.pipeline import PipelineConfig
 from services.server_config import ServerConfig
@@ -67,6 +68,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-batch-requests", "server.max_batch_requests", "most requests per batch call", int),
     Flag("--tokenizer-dir", "server.tokenizer_dir",
          "where to write the tokenizer that gateways load (empty = a temporary directory)"),
+    Flag("--max-request-bytes", "limits.max_request_bytes", "largest request (a batch: whole)",
+         int),
+    Flag("--max-prompt-bytes", "limits.max_prompt_bytes", "largest prompt, UTF-8 bytes", int),
+    Flag("--max-chat-messages", "limits.max_chat_messages", "most messages in a chat", int),
+    Flag("--max-chat-bytes", "limits.max_chat_bytes", "largest chat, roles + contents", int),
+    Flag("--max-stop-strings", "limits.max_stop_strings", "most stop strings (<= 64)", int),
+    Flag("--max-stop-string-chars", "limits.max_stop_string_chars",
+         "longest stop string (<= 256)", int),
     Flag("--model", "engine.model", '"default" (SmolLM2), a .gguf, an HF dir or "dummy:<shape>"'),
     Flag("--seed", "engine.seed", "seed of the global generator and of dummy weights", int),
     Flag("--device", "device.device", "auto, cpu, cuda or cuda:N"),
@@ -101,6 +110,7 @@ def sections() -> dict[str, type]:
     """Config dataclass of each FLAGS section."""
     return {
         "server": ServerConfig,
+        "limits": InputLimits,
         "engine": EngineConfig,
         "device": DeviceConfig,
         "cache": CacheConfig,
@@ -126,7 +136,9 @@ def build_configs(args: argparse.Namespace) -> Configs:
         if hasattr(args, flag.dest):
             section, field = flag.target.split(".")
             values[section][field] = getattr(args, flag.dest)
-    built = {name: cls(**values[name]) for name, cls in classes.items() if name != "engine"}
+    nested = ("engine", "server")  # built below, around the sections they hold
+    built = {name: cls(**values[name]) for name, cls in classes.items() if name not in nested}
+    built["server"] = ServerConfig(**values["server"], limits=built["limits"])
     engine = EngineConfig(
         **values["engine"],
         cache=built["cache"],

@@ -6,7 +6,9 @@ server (services/server.py) and servicer read it and nothing else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.input_limits import InputLimits
 
 MIB = 1024 * 1024
 
@@ -26,6 +28,7 @@ class ServerConfig:
     # and spread over new replicas; 0 = never. Streams in flight then get the grace.
     max_connection_age: float = 0.0
     max_connection_age_grace: float = 300.0
+    limits: InputLimits = field(default_factory=InputLimits)  # sizes checked before tokenizing
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

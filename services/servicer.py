@@ -22,6 +22,7 @@ from services import convert
 from services.domain import Complete, EngineFault, GenerateInput, InvalidArgument, RequestError
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
+from services.input_limits import check_input, check_request_size
 from services.server_config import ServerConfig
 
 if TYPE_CHECKING:  # the servicer only needs the pipeline's interface
@@ -50,6 +51,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         with self._counting_rejection():
+            check_input(request, self._config.limits)  # names the field, so first
+            check_request_size(request, self._config.limits)
             inp = convert.to_input(request, request.request_id or _call_request_id(context))
         async for event in self._events(inp):
             yield pb.GenerateResponse(request_id=inp.request_id, **convert.event_fields(event))
@@ -67,6 +70,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
+        check_input(request, self._config.limits)
+        check_request_size(request, self._config.limits)
         args = convert.tokenize_args(request)
         try:
             token_ids, tokens = await self._pipeline.tokenize(**args)
@@ -106,6 +111,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def _batch_inputs(self, request: pb.GenerateBatchRequest, base_id: str) -> list[GenerateInput]:
         """Validated inputs of a batch; errors name ``requests[i].<field>``."""
         limit = self._config.max_batch_requests
+        check_request_size(request, self._config.limits)
         if not request.requests:
             raise InvalidArgument("requests", "must not be empty")
         if len(request.requests) > limit:
@@ -119,6 +125,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 )
             seen[request_id] = i
             with _naming_request(i):
+                check_input(item, self._config.limits)
                 inputs.append(convert.to_input(item, request_id))
         return inputs
 

@@ -4,6 +4,11 @@
 becomes its status code with a message naming the field; anything unexpected
 becomes INTERNAL "internal error" and is logged with its traceback (the client
 never sees internals). Handlers raise; they never call ``context.abort``.
+
+It also guards every service's request parsing (health and reflection included): a
+request whose bytes do not parse (truncated or corrupt, or a string field that is not
+valid UTF-8) is INVALID_ARGUMENT with a plain message, where grpc itself would answer
+UNKNOWN with the parser's exception class and text.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -22,6 +28,10 @@ SERVICE_PREFIX = "/headrace.v1.GenerationService/"
 # The vLLM worker protocol (services/worker) gets the same status mapping.
 WORKER_PREFIX = "/vllm.grpc.engine.VllmEngine/"
 MAPPED_PREFIXES = (SERVICE_PREFIX, WORKER_PREFIX)
+MALFORMED_MESSAGE = (
+    "request: the message could not be parsed (truncated or corrupt bytes, or a string "
+    "field that is not valid UTF-8)"
+)
 _CODES = {code.name: code for code in grpc.StatusCode}
 
 log = get_logger(__name__)
@@ -36,6 +46,81 @@ def status_of(exc: Exception, method: str = "") -> tuple[grpc.StatusCode, str]:
         return _CODES.get(exc.code, grpc.StatusCode.INTERNAL), str(exc)
     log.error("unexpected error", method=method, exc_info=exc)
     return grpc.StatusCode.INTERNAL, "internal error"
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """What the guarded deserializer returns for bytes that do not parse."""
+
+    message: str = MALFORMED_MESSAGE
+
+
+def _safe(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception:  # DecodeError, or a UnicodeDecodeError from a string field
+            return Malformed()
+
+    return parse
+
+
+async def _checked(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+
+async def _checked_stream(requests: AsyncIterator, context: grpc.aio.ServicerContext):
+    async for request in requests:
+        await _checked(request, context)
+        yield request
+
+
+def reject_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A copy of ``handler`` (any kind) answering INVALID_ARGUMENT to unparsable requests."""
+    codec = {
+        "request_deserializer": _safe(handler.request_deserializer),
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        unary_unary = handler.unary_unary
+
+        async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await _checked(request, context)
+            return await unary_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(uu, **codec)
+    if handler.unary_stream:
+        unary_stream = handler.unary_stream
+
+        async def us(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+            await _checked(request, context)
+            async with contextlib.aclosing(unary_stream(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        return grpc.unary_stream_rpc_method_handler(us, **codec)
+    if handler.stream_unary:
+        stream_unary = handler.stream_unary
+
+        async def su(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> Any:
+            return await stream_unary(_checked_stream(requests, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(su, **codec)
+    stream_stream = handler.stream_stream
+
+    async def ss(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        responses = stream_stream(_checked_stream(requests, context), context)
+        if hasattr(responses, "__aiter__"):
+            async for response in responses:
+                yield response
+        else:  # a coroutine that writes its responses with context.write
+            await responses
+
+    return grpc.stream_stream_rpc_method_handler(ss, **codec)
 
 
 def wrap_handler(handler: grpc.RpcMethodHandler | None, around: Around):
@@ -84,6 +169,9 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
+        if handler is None:
+            return None
+        handler = reject_malformed(handler)
         if not details.method.startswith(MAPPED_PREFIXES):
             return handler  # health and reflection report their own statuses
         return wrap_handler(handler, lambda context: mapped_errors(context, details.method))

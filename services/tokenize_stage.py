@@ -77,7 +77,7 @@ class TokenizeStage:
         if chat is not None:
             ids = self._chat_ids(chat, add_generation_prompt)
         else:
-            ids = self._require_tokenizer("prompt").encode(prompt) if prompt else []
+            ids = self._encode_fitting("prompt", prompt) if prompt else []
         tokenizer = self._require_tokenizer("prompt")
         return ids, [tokenizer.id_to_token(i) for i in ids]
 
@@ -93,7 +93,20 @@ class TokenizeStage:
             return field, list(inp.token_ids)
         if field == "chat":
             return field, self._chat_ids(inp.chat, inp.add_generation_prompt)
-        return field, self._require_tokenizer(field).encode(inp.prompt)
+        return field, self._encode_fitting(field, inp.prompt)
+
+    def _encode_fitting(self, field: str, text: str) -> list[int]:
+        """Token ids of ``text``; InvalidArgument at once, without tokenizing, when the text
+        is too long to leave room for output in the context whatever its tokens are."""
+        tokenizer = self._require_tokenizer(field)
+        at_least, limit = tokenizer.min_tokens(text), self._limits.max_model_len
+        if at_least >= limit:
+            raise InvalidArgument(
+                field,
+                f"prompt of at least {at_least} tokens ({len(text)} characters) leaves no room "
+                f"for output within max_model_len {limit}",
+            )
+        return tokenizer.encode(text)
 
     def _chat_ids(self, chat: tuple[ChatMessage, ...], add_generation_prompt: bool) -> list[int]:
         tokenizer = self._require_tokenizer("chat")
@@ -108,9 +121,10 @@ class TokenizeStage:
                 )
         messages = [{"role": m.role, "content": m.content} for m in chat]
         try:
-            return tokenizer.encode_chat(messages, add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt)
         except (jinja2.TemplateError, ValueError) as exc:  # e.g. the template's own checks
             raise InvalidArgument("chat", capped(str(exc), quote=False)) from exc
+        return self._encode_fitting("chat", text)
 
     def _require_tokenizer(self, field: str) -> Tokenizer:
         if self._tokenizer is None:

@@ -140,6 +140,9 @@ class FakeEngine:
             num_output_tokens=seq.num_output,
         )
 
+    def take_failed(self) -> list[tuple[str, str]]:
+        return []  # the fake fails whole steps (poison_token), never one request
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._seqs)

@@ -482,3 +482,57 @@ def test_cancelled_streams_free_their_kv_blocks(real: RunningServer) -> None:
     stats = real.pipeline.engine_stats()
     assert stats.kv_usage == 0 and stats.num_waiting == 0
     assert real.pipeline.num_pending == 0
+
+
+def _greedy_reference_call(real: RunningServer):
+    """A greedy stream of REFERENCE_PROMPTS[0], started and already producing."""
+    request = pb.GenerateRequest(
+        prompt=REFERENCE_PROMPTS[0],
+        sampling=pb.SamplingParams(temperature=0),
+        stopping=pb.StoppingCriteria(max_tokens=REFERENCE_TOKENS, ignore_eos=True),
+    )
+    call = real.stub().Generate(request, timeout=TIMEOUT)
+    first = next(call)
+    return call, list(first.chunk.token_ids)
+
+
+def _rest_ids(call, ids: list[int]) -> list[int]:
+    for response in call:
+        if response.HasField("chunk"):
+            ids.extend(response.chunk.token_ids)
+    return ids
+
+
+@pytest.mark.slow
+def test_issue_top_p_request_is_refused_and_its_neighbour_completes(real: RunningServer) -> None:
+    call, ids = _greedy_reference_call(real)
+    bad = pb.GenerateRequest(
+        prompt="Tell me about the sea.",
+        sampling=pb.SamplingParams(temperature=1.0, top_p=1e-300, seed=1),
+        stopping=pb.StoppingCriteria(max_tokens=6, ignore_eos=True),
+    )
+    error = _error(lambda: _generate(real.stub(), bad))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith("sampling.top_p: "), error.details()
+    assert _rest_ids(call, ids) == real.offline_reference[0].token_ids
+
+
+@pytest.mark.slow
+def test_injected_engine_fault_fails_only_its_request(real: RunningServer) -> None:
+    from compute.fault_injection import FaultInjector
+
+    real.engine.runner.faults = FaultInjector(raise_in_forward={"victim"}, after_tokens=2)
+    try:
+        call, ids = _greedy_reference_call(real)
+        victim = pb.GenerateRequest(
+            prompt="Tell me about the sea.",
+            request_id="victim",
+            stopping=pb.StoppingCriteria(max_tokens=12, ignore_eos=True),
+        )
+        error = _error(lambda: _generate(real.stub(), victim))
+        assert _rest_ids(call, ids) == real.offline_reference[0].token_ids
+    finally:
+        real.engine.runner.faults = None
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "Error" not in error.details() and "Exception" not in error.details()
+    assert _generate(real.stub(), _request(max_tokens=2))[-1].HasField("complete")

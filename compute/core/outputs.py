@@ -46,3 +46,13 @@ class ModelRunnerOutput:
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # Requests whose step failed (bad sampled id, or a forward/sampling error the engine
+    # traced to them), with the message their client sees; they have no entry above.
+    faulty: dict[str, str] = field(default_factory=dict)
+
+    def merge(self, other: ModelRunnerOutput) -> None:
+        """Append ``other``'s rows (the engine runs a failed step again in parts)."""
+        self.request_ids.extend(other.request_ids)
+        self.sampled_token_ids.extend(other.sampled_token_ids)
+        self.logprobs.extend(other.logprobs)
+        self.faulty.update(other.faulty)

@@ -1,0 +1,50 @@
+"""Contain a failed step to the request(s) that caused it.
+
+When the forward or the sampler raises, the step is run again in halves (bisection)
+until each failing part is a single request: those requests are reported as faulty,
+every other request gets the outputs it would have got in the full step. This is sound
+because a step's work is per request apart from batching: re-running a subset rewrites
+the same K/V values at the same positions (idempotent), schedule() is not called again
+(its block allocations stand), and the sampler's generators are rewound to where they
+were before the failed attempt, so seeded requests draw the same numbers. Unseeded rows
+share one generator, so their draws after a fault may differ from an unfaulted run.
+
+Cost: a fault caused by one request of n costs about 2*log2(n) extra partial steps; a
+fault every request hits (out of memory, a broken device) fails them all, after 2n-1.
+"""
+
+from __future__ import annotations
+
+from compute.core.outputs import ModelRunnerOutput, ScheduledSequence
+from compute.log import get_logger
+from compute.model_runner import ModelRunner
+
+log = get_logger(__name__)
+# What a client sees when its request made the step fail; the traceback goes to the log.
+FAULT_MESSAGE = "the engine failed while running this request"
+
+
+def run_isolating(runner: ModelRunner, scheduled: list[ScheduledSequence]) -> ModelRunnerOutput:
+    """``runner.run(scheduled)``; on an exception, the requests at fault go to ``faulty``."""
+    try:
+        return runner.run(scheduled)
+    except Exception:
+        runner.sampler.rewind()
+        log.exception("engine step failed; isolating the request at fault", size=len(scheduled))
+    return _bisect(runner, scheduled)
+
+
+def _bisect(runner: ModelRunner, scheduled: list[ScheduledSequence]) -> ModelRunnerOutput:
+    if len(scheduled) == 1:
+        request_id = scheduled[0].seq.request_id
+        log.warning("request failed the engine step on its own", request_id=request_id)
+        return ModelRunnerOutput([], [], [], faulty={request_id: FAULT_MESSAGE})
+    middle = len(scheduled) // 2
+    out = ModelRunnerOutput([], [], [])
+    for part in (scheduled[:middle], scheduled[middle:]):
+        try:
+            out.merge(runner.run(part))
+        except Exception:
+            runner.sampler.rewind()
+            out.merge(_bisect(runner, part))
+    return out
