@@ -1,4 +1,5 @@
-"""The ``headrace`` command: ``serve``, ``generate`` (the bundled client), ``info``, ``health``.
+"""The ``headrace`` command: ``serve``, ``generate`` (the bundled client), ``info``, ``health``,
+``bench serve`` (the serving benchmark, services/bench/).
 
 Every serving knob is a flag with a ``HEADRACE_*`` environment twin; the table
 mapping both onto the frozen config dataclasses is ``FLAGS`` in services/cli_flags.py
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from services.bench import command as bench_command
 from services.cli_flags import (
     ENV_PREFIX,
     FLAGS,
@@ -49,6 +51,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     health = commands.add_parser("health", help="grpc.health.v1 check; exit 0 when SERVING")
     _add_server_flag(health, environ)
     health.add_argument("--service", default="", help='service to check ("" = whole server)')
+    bench_command.add_parser(commands, environ.get(ENV_PREFIX + "SERVER", DEFAULT_SERVER))
     return parser
 
 
@@ -185,6 +188,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": _generate,
     "info": _info,
     "health": _health,
+    "bench": bench_command.main,
 }
 
 
