@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from services.bench import command as bench_command
+from services.bench import flags as bench_flags
 from services.cli_flags import (
     ENV_PREFIX,
     FLAGS,
@@ -51,7 +52,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     health = commands.add_parser("health", help="grpc.health.v1 check; exit 0 when SERVING")
     _add_server_flag(health, environ)
     health.add_argument("--service", default="", help='service to check ("" = whole server)')
-    bench_command.add_parser(commands, environ.get(ENV_PREFIX + "SERVER", DEFAULT_SERVER))
+    bench_flags.add_parser(commands, environ.get(ENV_PREFIX + "SERVER", DEFAULT_SERVER))
     return parser
 
 

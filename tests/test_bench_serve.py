@@ -142,6 +142,6 @@ def test_bad_flags_are_refused() -> None:
     parser = cli.build_parser({})
     args = parser.parse_args(["bench", "serve", "--sweep-rate", "1,0"])
     with pytest.raises(ValueError, match="sweep-rate"):
-        from services.bench.command import check_args
+        from services.bench.flags import check_args
 
         check_args(args)
