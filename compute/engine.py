@@ -16,7 +16,13 @@ import torch
 
 from compute.core.checks import RequestLimits
 from compute.core.config import EngineConfig
-from compute.core.messages import EngineStats, FinishReason, RequestOutput, TokenLogprob
+from compute.core.messages import (
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+    StepTiming,
+    TokenLogprob,
+)
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence
@@ -83,6 +89,7 @@ class Engine:
         )
         self._ids = itertools.count()
         self._prompt_tokens = 0
+        self.last_step_timing: StepTiming | None = None  # of the latest step()
         self._generation_tokens = 0
 
     def add_request(
@@ -114,10 +121,22 @@ class Engine:
         self.runner.sampler.forget(request_id)
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t1 = self.runner.forward_end = time.perf_counter()
         runner_out = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, runner_out)
         self._count_tokens(sched, outputs)
+        t2 = self.runner.forward_end
+        # Plain numbers only (a few perf_counter reads per step); stage 3 turns them into metrics.
+        self.last_step_timing = StepTiming(
+            schedule_s=t1 - t0,
+            forward_s=t2 - t1,
+            sample_s=time.perf_counter() - t2,
+            idle_s=0.0,
+            num_seqs=len(sched.scheduled),
+            num_tokens=sum(item.num_new_tokens for item in sched.scheduled),
+        )
         return outputs
 
     def _count_tokens(self, sched, outputs: list[RequestOutput]) -> None:

@@ -6,6 +6,7 @@ preemption_mode=swap) and the sampler. Returns plain lists to the engine.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,7 @@ class ModelRunner:
         # Host blocks for swap preemption; pinned when the model is on a GPU.
         self.host_caches = self._allocate_cache(num_host_blocks, "cpu") if num_host_blocks else []
         self.sampler = Sampler(model.config.vocab_size, seed)
+        self.forward_end = 0.0  # perf_counter() after the latest forward, for StepTiming
 
     def _allocate_cache(self, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model.config
@@ -76,6 +78,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
         batch = self.prepare(sched)
         hidden = self.model.forward(batch.token_ids, batch.positions, self.kv_caches, batch.meta)
+        self.forward_end = time.perf_counter()  # read by Engine.step for StepTiming
         if not batch.sampling_seqs:
             return ModelRunnerOutput([], [], [])
         logits = self.model.compute_logits(hidden[batch.sample_rows])
