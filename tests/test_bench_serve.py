@@ -145,3 +145,26 @@ def test_bad_flags_are_refused() -> None:
         from services.bench.flags import check_args
 
         check_args(args)
+
+
+def test_random_workload_without_a_tokenizer_draws_from_the_vocabulary(
+    serve, tmp_path: Path
+) -> None:
+    from tests.fake_engine import FakeEngine
+
+    server = serve(engine=FakeEngine(None, [5, 6, 7], vocab_size=40, step_delay=0.001))
+    result = _bench(server, tmp_path, "--num-requests", "4", "--input-len", "10",
+                    "--output-len", "3", "--metrics-url", "none")  # fmt: skip
+    run = result["runs"][0]
+    assert run["metrics"]["completed"] == 4 and run["metrics"]["total_input_tokens"] == 40
+    assert run["server_metrics"]["samples"] == []
+
+
+def test_serving_wrapper_launches_unless_given_a_server() -> None:
+    from bench.serving import bench_argv
+
+    argv = bench_argv(["--num-requests", "3", "--", "--max-num-seqs", "8"], "S")
+    assert argv[:3] == ["bench", "serve", "--launch"]
+    assert argv[-2:] == ["--", "--max-num-seqs", "8"][-2:] and "--" in argv
+    assert any(a.endswith("serving-S.json") for a in argv)
+    assert "--launch" not in bench_argv(["--server", "h:1", "--plot", "x.png"], "S")
