@@ -24,12 +24,16 @@ def metered(serve) -> RunningServer:
 
 
 def _bench(server: RunningServer, tmp_path: Path, *extra: str) -> dict:
-    out = tmp_path / "result.json"
+    out = tmp_path / "result.json"  # strict JSON: no Infinity/NaN
     argv = ["bench", "serve", "--server", server.target, "--result-json", str(out),
             "--metrics-url", f"http://127.0.0.1:{server.server.metrics_port}/metrics",
             "--metrics-interval", "0.05", "--no-progress", *extra]  # fmt: skip
     assert cli.main(argv) == 0
-    return json.loads(out.read_text())
+    return json.loads(out.read_text(), parse_constant=_refuse)
+
+
+def _refuse(name: str) -> None:
+    raise AssertionError(f"non-standard JSON constant {name}")
 
 
 def _independent(requests: list[dict]) -> dict[str, list[float]]:
@@ -99,7 +103,7 @@ def test_rate_sweep_runs_each_rate_on_the_same_workload(
         metered, tmp_path, "--num-requests", "5", "--sweep-rate", "50,inf", "--warmup", "0",
         "--dataset", "fixed", "--output-len", "4", "--plot", str(tmp_path / "sweep.png"),
     )  # fmt: skip
-    assert [r["request_rate"] for r in result["runs"]] == [50.0, math.inf]
+    assert [r["request_rate"] for r in result["runs"]] == [50.0, "inf"]
     for run in result["runs"]:
         assert run["metrics"]["completed"] == 5
         _check_distributions(run["metrics"], run["requests"])

@@ -129,7 +129,7 @@ def one_run(
         finally:
             sampler.stop()
     return {
-        "request_rate": settings.request_rate,
+        "request_rate": json_rate(settings.request_rate),
         "max_concurrency": settings.max_concurrency,
         "metrics": summarize(records, duration, slos),
         "server_metrics": sampler.report(),
@@ -187,8 +187,18 @@ def _tokenized_pool(target: str) -> list[int] | None:
         raise
 
 
+def json_rate(rate: float) -> float | str:
+    """JSON has no Infinity: "inf" (as vLLM writes it) for all-at-once runs."""
+    return "inf" if math.isinf(rate) else rate
+
+
 def _jsonable(values: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in values.items()}
+    def plain(v: Any) -> Any:
+        if isinstance(v, Path):
+            return str(v)
+        return json_rate(v) if isinstance(v, float) else v
+
+    return {k: plain(v) for k, v in values.items()}
 
 
 def finish(args: argparse.Namespace, record: dict[str, Any]) -> None:

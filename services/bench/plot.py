@@ -34,7 +34,7 @@ def _latency_cdfs(ax, runs: list[dict[str, Any]], metric: str) -> None:
         else:
             fn = {"ttft": stats.ttft, "tpot": stats.tpot, "e2el": stats.e2e}[metric]
             values = [v for r in ok if (v := fn(r)) is not None]
-        _cdf(ax, values, f"rate {run['request_rate']:g}")
+        _cdf(ax, values, f"rate {run['request_rate']}")
     ax.set_xlabel(f"{metric.upper()} (ms)")
     ax.set_ylabel("fraction of requests" if metric != "itl" else "fraction of gaps")
     ax.grid(alpha=0.3)
@@ -70,6 +70,7 @@ def _running_waiting(ax, run: dict[str, Any]) -> None:
 
 
 def _sweep(ax_tput, ax_lat, runs: list[dict[str, Any]]) -> None:
+    runs = [r for r in runs if r["request_rate"] != "inf"]  # no place on a rate axis
     rates = [r["request_rate"] for r in runs]
     ax_tput.plot(rates, [r["metrics"]["output_throughput"] for r in runs], "o-")
     ax_tput.set_xlabel("request rate (req/s)")
@@ -100,7 +101,7 @@ def plot(record: dict[str, Any], path: Path) -> None:
     _latency_cdfs(axes[1][0], runs, "e2el")
     _throughput_over_time(axes[1][1], runs[-1])
     _running_waiting(axes[1][2], runs[-1])
-    axes[1][1].set_title(f"last run (rate {runs[-1]['request_rate']:g})", fontsize=9)
+    axes[1][1].set_title(f"last run (rate {runs[-1]['request_rate']})", fontsize=9)
     if nrows == 3:
         _sweep(axes[2][0], axes[2][1], runs)
         axes[2][2].axis("off")
