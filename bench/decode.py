@@ -41,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per system first")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (both systems)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="weights and KV cache dtype (both systems); the CUDA kernels take float16/bfloat16",
+    )
     p.add_argument("--systems", default="headrace,hf", help="comma list of systems: headrace, hf")
     p.add_argument("--name", default="decode", help="result file prefix in bench/results/")
     return p.parse_args(argv)
@@ -57,7 +63,7 @@ def load_headrace(args: argparse.Namespace) -> tuple[Any, float]:
     from compute.engine import Engine
 
     config = EngineConfig(
-        device=DeviceConfig(device=args.device, dtype="float32", num_threads=args.threads)
+        device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads)
     )
     start = time.perf_counter()
     engine = Engine(config)
@@ -173,7 +179,7 @@ def load_systems(args: argparse.Namespace, systems: list[str]) -> tuple[dict, di
         runners["headrace"] = headrace_runner(engine, args.device)
     if "hf" in systems:
         model, load_s["hf"] = common.load_hf_model(common.default_gguf_path())
-        runners["hf"] = hf_runner(model.to(args.device), args.device)
+        runners["hf"] = hf_runner(model.to(args.device, getattr(torch, args.dtype)), args.device)
     return runners, load_s, engine
 
 
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     load_start = common.load_average()
     runs = measure(args, runners, prompt)
     results: dict[str, Any] = {
-        "settings": {**vars(args), "prompt_tokens": len(prompt), "dtype": "float32"},
+        "settings": {**vars(args), "prompt_tokens": len(prompt)},
         "load_average_start": load_start,
         "load_average_end": common.load_average(),
         "systems": {name: summarize(runs[name], load_s[name]) for name in runners},

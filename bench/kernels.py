@@ -9,7 +9,10 @@ Llama-8B-like one (32/8, dim 128), block size 16, fp16, scattered block tables:
   which evicts L2 and keeps the GPU busy while Python issues the call, so the
   events bracket GPU work alone.
 - call_us: wall time per call of back-to-back calls, host overhead included
-  (what a step without CUDA graphs pays).
+  (what a step without CUDA graphs pays per layer: the calls share one
+  metadata record, so like layers 2..N of a step they reuse its checked plan).
+- decode_partition_size / decode_partitions: what kernels/attention_plan.py
+  chose for the case (smaller partitions for small batches).
 - GB/s and % of peak HBM bandwidth, counting the bytes that must move: the K
   and V of every context token once, the query and the output (not the
   partition workspaces or block tables). Peak comes from the device name
@@ -41,7 +44,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as `python bench/kernels.py`: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import cuda  # noqa: E402
+from kernels import attention_plan, cuda  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 
 SHAPES = {  # name: (query heads, KV heads, head dim)
@@ -176,6 +179,11 @@ def run_case(name, shape, batch, context, args, flush, peak) -> dict:
     ours = lambda: cuda.paged_attention(**case, scale=scale)  # noqa: E731
     nbytes = bytes_moved(shape, batch, context)
     result = {"shape": name, "batch": batch, "context": context, "bytes": nbytes}
+    plan = attention_plan.build_plan(
+        case["query"], case["key_cache"], case["value_cache"], case["meta"]
+    )
+    result["decode_partition_size"] = plan.decode_partition_size  # chosen for this batch
+    result["decode_partitions"] = plan.decode_partitions
     result["kernel"] = bandwidth(nbytes, time_gpu(ours, args.iters, args.warmup, flush), peak)
     result["kernel"]["call_us"] = round(time_wall(ours, args.iters), 2)
     if not args.no_baseline:

@@ -65,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     s.add_argument("--threads", type=int, default=2, help="torch intra-op threads (all)")
     s.add_argument("--device", default="cpu", help="cpu or cuda (all systems)")
+    s.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="weights and KV cache dtype (all systems); the CUDA kernels take float16/bfloat16",
+    )
     x = p.add_argument_group("extra headrace runs (same workload)")
     x.add_argument(
         "--sweep-max-num-seqs",

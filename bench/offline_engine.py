@@ -31,7 +31,7 @@ def load_engine(args: argparse.Namespace, max_num_seqs: int, prefill_interval: i
             max_num_batched_tokens=args.max_num_batched_tokens,
             prefill_interval=prefill_interval,
         ),
-        device=DeviceConfig(device=args.device, dtype="float32", num_threads=args.threads),
+        device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads),
     )
     start = time.perf_counter()
     engine = Engine(config)

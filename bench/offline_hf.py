@@ -93,7 +93,7 @@ def run_hf_single(model: Any, workload: Workload, limit: int, device: str) -> di
 
 def run_hf(args: argparse.Namespace, workload: Workload, systems: list[str]) -> dict:
     model, load_s = common.load_hf_model(common.default_gguf_path())
-    model.to(args.device)
+    model.to(args.device, getattr(torch, args.dtype))
     hf_generate(model, [[1, 2, 3], [4, 5, 6, 7]], 4, args.device)  # warm-up, untimed
     results: dict[str, Any] = {}
     if "hf-static" in systems:

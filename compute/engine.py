@@ -30,6 +30,7 @@ from compute.loaders import LoadedModel, load_model
 from compute.malloc_tuning import keep_freed_memory
 from compute.model import LlamaModel
 from compute.model_runner import ModelRunner, blocks_for_memory
+from kernels import ops
 
 
 @dataclass
@@ -63,6 +64,10 @@ class Engine:
         self.max_model_len = min(
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
+        )
+        cfg = loaded.config  # fail now, not at the first step, if the kernels cannot serve it
+        ops.check_backend(
+            device, dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, config.cache.block_size
         )
         model = LlamaModel(loaded.config, loaded.weights)
         loaded.weights.clear()  # the model holds its own (fused) copies now

@@ -124,7 +124,7 @@ class LlamaModel:
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
         q = self.rope(q.view(-1, cfg.num_heads, cfg.head_dim), positions)
         k = self.rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)
-        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.contiguous().view(-1, cfg.num_kv_heads, cfg.head_dim)  # a column slice of qkv
         # The step's K/V must be in the cache before attention reads it.
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale)

@@ -7,8 +7,9 @@ tensors travel by ``data_ptr()`` once their dtype, shape, contiguity and device
 have been checked (kernels/cuda_checks.py), scalars as numpy.int32 / numpy.float32.
 
 Dispatch inside ``paged_attention``: rows of sequences with query_len == 1 go
-to the decode kernel (split into 512-token partitions, plus a merge kernel
-when any of them spans more than one); sequences with query_len >= 2 go to the
+to the decode kernel (split into partitions of 64 to 512 tokens chosen from the
+batch and context, kernels/attention_plan.py, plus a merge kernel when any
+sequence spans more than one); sequences with query_len >= 2 go to the
 prefill kernel. Both kernels read query_start_loc on the device and skip the
 other's sequences, so a mixed batch costs two or three launches and no index
 lists, and a sequence gets the same kernel, hence the same bits, whatever
@@ -26,7 +27,6 @@ import functools
 import math
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +34,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kernels.attention_plan import AttentionPlan, plan_for
 from kernels.cuda_checks import (
     ATTENTION_DTYPES,
     BLOCK_SIZES,
     CACHE_DTYPES,
     COPY_WORDS,
     HEAD_DIMS,
-    check_metadata,
-    check_query_and_cache,
     check_tensor,
     copy_word,
 )
@@ -50,8 +49,6 @@ from kernels.metadata import AttentionMetadata
 CSRC = Path(__file__).parent / "csrc"
 
 # These mirror constants of the .cu files; the kernels assume them.
-PARTITION_SIZE = 512  # kPartitionSize, paged_attention_decode.cu
-MAX_GROUP = 8  # kMaxGroup: query heads one decode thread block serves
 DECODE_THREADS = 128
 PREFILL_ROWS = 64  # kPrefillRows, paged_attention_prefill.cu
 PREFILL_THREADS = 128
@@ -63,6 +60,15 @@ def is_available() -> bool:
     """True when a CUDA device and CuPy are both present."""
     if not torch.cuda.is_available():
         return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def has_cupy() -> bool:
+    """True when CuPy imports (whether or not a GPU is present)."""
     try:
         import cupy  # noqa: F401
     except ImportError:
@@ -242,22 +248,6 @@ def reshape_and_cache(
 # ----------------------------------------------------------------------------- attention
 
 
-@dataclass(frozen=True)
-class _AttentionShape:
-    """The sizes one paged_attention call launches with."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    table_width: int
-    dtype_suffix: str
-
-    @property
-    def group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-
 def paged_attention(
     query: Tensor,
     key_cache: Tensor,
@@ -268,70 +258,85 @@ def paged_attention(
     """Attend query [T, H, D] over the paged cache; returns [T, H, D] in the query dtype.
 
     Rows no sequence owns come back as zeros, as do rows of sequences with context_len 0.
+    The arguments are checked, and the launches planned, once per metadata object
+    (kernels/attention_plan.py): the other layers of a step reuse the plan.
     """
     _require_gpu(query, "query")
-    check_query_and_cache(query, key_cache, value_cache)
+    plan = plan_for(query, key_cache, value_cache, meta)
     if meta.num_seqs == 0:
         return torch.zeros_like(query)
-    check_metadata(meta, query.shape[0], key_cache.shape[1], query.device)
-    shape = _AttentionShape(
-        num_heads=query.shape[1],
-        num_kv_heads=key_cache.shape[2],
-        head_dim=query.shape[2],
-        block_size=key_cache.shape[1],
-        table_width=meta.block_tables.shape[1],
-        dtype_suffix=ATTENTION_DTYPES[query.dtype],
-    )
-    covered = sum(meta.query_lens) == query.shape[0]
-    out = torch.empty_like(query) if covered else torch.zeros_like(query)
+    out = torch.empty_like(query) if plan.covered else torch.zeros_like(query)
     scale_log2 = np.float32(scale * math.log2(math.e))
-    if any(q == 1 for q in meta.query_lens):
-        _launch_decode(out, query, key_cache, value_cache, meta, scale_log2, shape)
-    if any(q >= 2 for q in meta.query_lens):
-        _launch_prefill(out, query, key_cache, value_cache, meta, scale_log2, shape)
+    if plan.decode_partitions:
+        _launch_decode(out, query, key_cache, value_cache, meta, scale_log2, plan)
+    if plan.prefill_longest:
+        _launch_prefill(out, query, key_cache, value_cache, meta, scale_log2, plan)
     return out
 
 
-def _launch_decode(out, query, key_cache, value_cache, meta, scale_log2, s: _AttentionShape):
+def _launch_decode(out, query, key_cache, value_cache, meta, scale_log2, p: AttentionPlan):
     """Decode kernel over every sequence (it serves those with query_len 1), then the merge."""
-    longest = max(c for q, c in zip(meta.query_lens, meta.context_lens_host, strict=True) if q == 1)
-    parts = max(1, _cdiv(longest, PARTITION_SIZE))
+    parts, size = p.decode_partitions, p.decode_partition_size
     ws_out = ws_max = ws_sum = None  # one partition each: the kernel writes `out` directly
     if parts > 1:
-        ws_shape = (meta.num_seqs, s.num_heads, parts)
-        ws_out = torch.empty((*ws_shape, s.head_dim), dtype=torch.float32, device=query.device)
+        ws_shape = (meta.num_seqs, p.num_heads, parts)
+        ws_out = torch.empty((*ws_shape, p.head_dim), dtype=torch.float32, device=query.device)
         ws_max = torch.empty(ws_shape, dtype=torch.float32, device=query.device)
         ws_sum = torch.empty(ws_shape, dtype=torch.float32, device=query.device)
     tables = (meta.block_tables, meta.context_lens, meta.query_start_loc)
-    name = decode_kernel_name(s.dtype_suffix, s.head_dim, s.block_size)
-    grid = (s.num_kv_heads * _cdiv(s.group, MAX_GROUP), meta.num_seqs, parts)
+    name = decode_kernel_name(p.dtype_suffix, p.head_dim, p.block_size)
+    grid = (p.num_kv_heads * p.group_chunks, meta.num_seqs, parts)
     args = (
         *map(_ptr, (out, ws_out, ws_max, ws_sum, query, key_cache, value_cache, *tables)),
         scale_log2,
-        *map(np.int32, (s.num_kv_heads, s.group, s.table_width, parts)),
+        *map(np.int32, (p.num_kv_heads, p.group, p.table_width, parts, size)),
     )
     file = "paged_attention_decode.cu"
     _launch(query.device, file, name, grid, (DECODE_THREADS, 1, 1), args)
     if parts > 1:
-        name = reduce_kernel_name(s.dtype_suffix, s.head_dim)
+        name = reduce_kernel_name(p.dtype_suffix, p.head_dim)
         args = (
             *map(_ptr, (out, ws_out, ws_max, ws_sum, meta.context_lens, meta.query_start_loc)),
-            *map(np.int32, (s.num_heads, parts)),
+            *map(np.int32, (p.num_heads, parts, size)),
         )
-        grid = (s.num_heads, meta.num_seqs, 1)
-        _launch(query.device, file, name, grid, (s.head_dim, 1, 1), args)
+        grid = (p.num_heads, meta.num_seqs, 1)
+        _launch(query.device, file, name, grid, (p.head_dim, 1, 1), args)
 
 
-def _launch_prefill(out, query, key_cache, value_cache, meta, scale_log2, s: _AttentionShape):
+def _launch_prefill(out, query, key_cache, value_cache, meta, scale_log2, p: AttentionPlan):
     """Prefill kernel over every sequence (it serves those with query_len >= 2)."""
-    longest = max(q for q in meta.query_lens if q >= 2)
     tables = (meta.block_tables, meta.context_lens, meta.query_start_loc)
-    name = prefill_kernel_name(s.dtype_suffix, s.head_dim)
-    grid = (_cdiv(longest * s.group, PREFILL_ROWS), meta.num_seqs, s.num_kv_heads)
+    name = prefill_kernel_name(p.dtype_suffix, p.head_dim)
+    grid = (_cdiv(p.prefill_longest * p.group, PREFILL_ROWS), meta.num_seqs, p.num_kv_heads)
     args = (
         *map(_ptr, (out, query, key_cache, value_cache, *tables)),
         scale_log2,
-        *map(np.int32, (s.num_kv_heads, s.group, s.block_size, s.table_width)),
+        *map(np.int32, (p.num_kv_heads, p.group, p.block_size, p.table_width)),
     )
     file = "paged_attention_prefill.cu"
     _launch(query.device, file, name, grid, (PREFILL_THREADS, 1, 1), args)
+
+
+# ----------------------------------------------------------------------------- warm-up
+
+
+def kernels_for(dtype: torch.dtype, head_dim: int, block_size: int) -> list[tuple[str, str]]:
+    """(file, kernel) of every launch a model of these sizes can make."""
+    suffix = ATTENTION_DTYPES[dtype]
+    return [
+        *(("reshape_and_cache.cu", f"reshape_and_cache_{w}") for _, w in COPY_WORDS),
+        ("paged_attention_decode.cu", decode_kernel_name(suffix, head_dim, block_size)),
+        ("paged_attention_decode.cu", reduce_kernel_name(suffix, head_dim)),
+        ("paged_attention_prefill.cu", prefill_kernel_name(suffix, head_dim)),
+    ]
+
+
+def warm_up(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> int:
+    """Compiles (or loads from CuPy's disk cache) and loads every kernel the model can call,
+    so that the first step, and a CUDA graph capture, pay none of it. Returns the count."""
+    cupy = _import_cupy()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wanted = kernels_for(dtype, head_dim, block_size)
+    for file, name in wanted:
+        _kernel(cupy, file, name, index)
+    return len(wanted)

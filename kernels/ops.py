@@ -1,29 +1,25 @@
 """The two paged-KV operations the model calls, dispatched by device.
 
-CUDA tensors go to the CuPy RawKernels (kernels/cuda.py) when CuPy is
-installed; everything else runs the torch reference (kernels/reference.py),
-which is both the CPU production path and the test oracle.
+CUDA tensors go to the CuPy RawKernels (kernels/cuda.py), CPU tensors to the
+torch reference (kernels/reference.py), which is both the CPU production path
+and the test oracle. There is no silent fallback: a CUDA tensor without CuPy is
+an error, and ``check_backend`` says so (with every other thing the kernels
+cannot serve) when the engine starts, not at its first step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from compute.log import get_logger
+from kernels import cuda, reference
+from kernels.cuda_checks import ATTENTION_DTYPES, BLOCK_SIZES, HEAD_DIMS
 from kernels.metadata import AttentionMetadata
 
-_cuda_ops = None
+log = get_logger(__name__)
 
-
-def _use_cuda(t: torch.Tensor) -> bool:
-    global _cuda_ops
-    if not t.is_cuda:
-        return False
-    if _cuda_ops is None:
-        from kernels import cuda
-
-        _cuda_ops = cuda if cuda.is_available() else False
-    return bool(_cuda_ops)
+REFERENCE = "torch-reference"
+CUDA = "cuda-cupy"
 
 
 def reshape_and_cache(
@@ -34,7 +30,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write the step's K/V [T, Hkv, D] into the paged caches; slot -1 is skipped."""
-    impl = _cuda_ops if _use_cuda(key) else reference
+    impl = cuda if key.is_cuda else reference
     impl.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -46,5 +42,63 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attention of the flat batch's queries [T, Hq, D] over their sequences' caches."""
-    impl = _cuda_ops if _use_cuda(query) else reference
+    impl = cuda if query.is_cuda else reference
     return impl.paged_attention(query, key_cache, value_cache, meta, scale)
+
+
+def check_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+) -> str:
+    """The attention backend for a model of these sizes on `device`, ready to run.
+
+    On CUDA: ValueError naming the option (--dtype, --block-size) or the model's head dim
+    when the kernels have no instantiation for it, RuntimeError when CuPy is missing; then
+    every kernel the model can call is compiled and loaded (cuda.warm_up). Logs the choice.
+    """
+    if device.type != "cuda":
+        log.info("attention backend", backend=REFERENCE, device=str(device), dtype=_name(dtype))
+        return REFERENCE
+    if dtype not in ATTENTION_DTYPES:
+        names = ", ".join(str(t).removeprefix("torch.") for t in ATTENTION_DTYPES)
+        raise ValueError(
+            f"dtype: the CUDA attention kernels take {names}, got "
+            f"{str(dtype).removeprefix('torch.')} (use --dtype bfloat16 or float16)"
+        )
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(
+            f"block_size: the CUDA attention kernels take {' or '.join(map(str, BLOCK_SIZES))}"
+            f" tokens per block, got {block_size} (use --block-size 16 or 32)"
+        )
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(
+            f"model: the CUDA attention kernels take head dim {' or '.join(map(str, HEAD_DIMS))}"
+            f", this model has {head_dim}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"model: {num_heads} query heads are not a multiple of {num_kv_heads}")
+    if not cuda.has_cupy():
+        raise RuntimeError(
+            "CuPy is not installed, and --device cuda runs attention only through the CuPy "
+            "kernels: pip install 'headrace[gpu]' (CUDA 13) or 'headrace[gpu-cuda12]', "
+            "or make setup-gpu"
+        )
+    count = cuda.warm_up(device, dtype, head_dim, block_size)
+    log.info(
+        "attention backend",
+        backend=CUDA,
+        device=str(device),
+        dtype=_name(dtype),
+        head_dim=head_dim,
+        block_size=block_size,
+        kernels_loaded=count,
+    )
+    return CUDA
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

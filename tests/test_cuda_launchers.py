@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cuda
+from kernels import attention_plan, cuda
 from kernels.metadata import AttentionMetadata
+from tests.cuda_host.fake_cupy import FakeCupy
 
 
 @dataclass
@@ -35,9 +36,12 @@ class Launch:
 
 @pytest.fixture
 def launches(monkeypatch) -> list[Launch]:
+    """Recorded launches; planned for a GPU of one SM, so decode partitions are 512 tokens
+    (test_decode_partitions_fill_the_gpu plans for 132)."""
     recorded: list[Launch] = []
     monkeypatch.setattr(cuda, "_launch", lambda *args: recorded.append(Launch(*args)))
     monkeypatch.setattr(cuda, "_require_gpu", lambda t, name: None)
+    monkeypatch.setattr(attention_plan, "sm_count", lambda device: 1)
     return recorded
 
 
@@ -255,7 +259,7 @@ def test_short_decode_is_one_launch(launches):
     assert launch.name == "paged_attention_decode_f16_d64_b16"
     assert launch.grid == (2, 3, 1) and launch.block == (cuda.DECODE_THREADS, 1, 1)
     kinds = [type(a) for a in launch.args]
-    assert kinds == [np.uint64] * 10 + [np.float32] + [np.int32] * 4
+    assert kinds == [np.uint64] * 10 + [np.float32] + [np.int32] * 5
     pointers = _pointers(launch)
     assert pointers[0] == out.data_ptr() and pointers[1:4] == [0, 0, 0]  # no workspaces
     assert pointers[4:7] == [
@@ -263,7 +267,8 @@ def test_short_decode_is_one_launch(launches):
     ]
     assert launch.args[10] == pytest.approx(0.125 * math.log2(math.e))
     width = inputs.meta.block_tables.shape[1]
-    assert [int(a) for a in launch.args[11:]] == [2, 3, width, 1]  # kv heads, group, width, parts
+    # kv heads, group, table width, partitions, partition size
+    assert [int(a) for a in launch.args[11:]] == [2, 3, width, 1, 512]
 
 
 def test_long_decode_adds_the_partition_merge(launches):
@@ -282,8 +287,57 @@ def test_long_decode_adds_the_partition_merge(launches):
     assert all(p != 0 for p in _pointers(decode)[1:4])
     assert merge.name == "paged_attention_decode_reduce_bf16_d128"
     assert merge.grid == (8, 2, 1) and merge.block == (128, 1, 1)
-    assert [int(a) for a in merge.args[-2:]] == [8, 3]  # query heads, partitions
+    assert [int(a) for a in merge.args[-3:]] == [8, 3, 512]  # query heads, partitions, size
     assert _pointers(merge)[:4] == _pointers(decode)[:4]  # same output and workspaces
+
+
+@pytest.mark.parametrize(
+    "seqs,kv_heads,size,parts",
+    [
+        ([(1, 2048)], 3, 64, 32),  # SmolLM2 at batch 1: 96 blocks instead of 12
+        ([(1, 2048)] * 2, 8, 128, 16),  # Llama-8B-like at batch 2: 256 blocks
+        ([(1, 2048)] * 8, 8, 512, 4),  # ... at batch 8: 256 blocks at 512 already
+        ([(1, 2048)] * 64, 3, 512, 4),  # fills 132 SMs at 512 already: 768 blocks
+        ([(1, 100)], 3, 64, 2),  # too short to fill anything: the smallest split
+        ([(1, 40)], 3, 64, 1),
+    ],
+)
+def test_decode_partitions_fill_the_gpu(launches, monkeypatch, seqs, kv_heads, size, parts):
+    monkeypatch.setattr(attention_plan, "sm_count", lambda device: 132)
+    attention_inputs(seqs=seqs, heads=3 * kv_heads, kv_heads=kv_heads).call()
+    decode = launches[0]
+    assert decode.grid == (kv_heads, len(seqs), parts)
+    assert [int(a) for a in decode.args[-2:]] == [parts, size]
+    if parts > 1:
+        assert [int(a) for a in launches[1].args[-2:]] == [parts, size]
+    else:
+        assert len(launches) == 1
+
+
+@pytest.mark.parametrize("blocks,longest", [(1, 1), (3, 2048), (9, 700), (200, 100), (1, 10**5)])
+def test_partition_size_is_the_largest_that_fills(blocks, longest):
+    size = attention_plan.decode_partition_size(blocks, longest, 132)
+    fills = [s for s in attention_plan.PARTITION_SIZES if blocks * math.ceil(longest / s) >= 132]
+    assert size == (max(fills) if fills else 64)
+
+
+def test_checks_and_plan_run_once_per_metadata(launches, monkeypatch):
+    """30 layers of a step share one metadata record: one check of it, not 30."""
+    calls = []
+    real = attention_plan.check_metadata
+    monkeypatch.setattr(attention_plan, "check_metadata", lambda *a: calls.append(1) or real(*a))
+    inputs = attention_inputs(seqs=((1, 20), (5, 40)))
+    for _ in range(30):  # a new query and new caches per layer, as in the model
+        layer = attention_inputs(seqs=((1, 20), (5, 40)))
+        inputs.call(query=layer.query, key_cache=layer.key_cache, value_cache=layer.value_cache)
+    assert len(calls) == 1 and len(launches) == 60
+    # A new step (a new metadata record) is checked again, and so is a bad layer tensor.
+    inputs.call(meta=replace(inputs.meta))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="query must be contiguous"):
+        inputs.call(query=inputs.query.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(ValueError, match="key_cache must start on a 16-byte boundary"):
+        inputs.call(key_cache=_misaligned(inputs.key_cache))
 
 
 def test_groups_over_eight_heads_split_across_blocks(launches):
@@ -352,46 +406,6 @@ def test_cache_write_of_no_tokens_launches_nothing(launches):
 
 
 # ----------------------------------------------------------------------------- fake CuPy
-
-
-class FakeCupy:
-    """Records compiles and launches; enough of the cupy API for kernels.cuda."""
-
-    def __init__(self):
-        self.compiles: list[tuple[str, tuple[str, ...], int]] = []
-        self.calls: list[tuple] = []
-        self.device = None
-        self.streams: list[tuple[int, int]] = []
-        fake = self
-
-        class Device:
-            def __init__(self, index):
-                self.index = index
-
-            def __enter__(self):
-                fake.device = self.index
-
-            def __exit__(self, *exc):
-                fake.device = None
-
-        class ExternalStream:
-            def __init__(self, ptr, device_id):
-                fake.streams.append((ptr, device_id))
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                return None
-
-        self.cuda = types.SimpleNamespace(Device=Device, ExternalStream=ExternalStream)
-
-    def RawModule(self, code, options):  # noqa: N802 (cupy's name)
-        self.compiles.append((code, options, self.device))
-        return types.SimpleNamespace(get_function=self._function)
-
-    def _function(self, name):
-        return lambda grid, block, args: self.calls.append((name, grid, block, args, self.device))
 
 
 def test_each_source_compiles_once_per_device(monkeypatch):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,9 +33,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from kernels import cuda, reference
+from kernels import attention_plan, cuda, reference
 from kernels.metadata import AttentionMetadata
-from tests.cuda_host.emulator import Emulator, cuda_include
+from tests.cuda_host.emulator import Emulator, session_emulator
 
 TOLERANCES = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (1e-2, 4e-2)}  # relative, max abs
 NUM_KV_HEADS = 2
@@ -163,10 +162,10 @@ def _assert_close(got: Tensor, expected: Tensor, batch: Batch) -> None:
 
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory) -> Emulator:
-    include = cuda_include()
-    if shutil.which("g++") is None or include is None:
+    emulator = session_emulator(tmp_path_factory)
+    if emulator is None:
         pytest.skip("the CPU emulation needs g++ and the CUDA headers (cuda_fp16.h)")
-    return Emulator(tmp_path_factory.mktemp("emulated_kernels"), include)
+    return emulator
 
 
 @pytest.fixture
@@ -208,8 +207,14 @@ def check_mixed(device, dtype, head_dim, block_size, group):
     run_and_check(make_batch(MIXED, **kwargs, padding=3))
 
 
+def pin_partition_size(monkeypatch, size: int) -> None:
+    """Plans every decode launch with `size`-token partitions."""
+    monkeypatch.setattr(attention_plan, "decode_partition_size", lambda *args: size)
+
+
 def check_batch_invariance(device, dtype):
-    """A sequence's output is bit-identical alone and inside a larger mixed batch."""
+    """A sequence's output is bit-identical alone and inside a larger mixed batch, given the
+    same decode partition size (the planner picks 512 for every batch that fills the GPU)."""
     kwargs = dict(group=3, head_dim=64, block_size=16, dtype=dtype, device=device, seed=7)
     alone = make_batch([(1, 600), (9, 40)], **kwargs)
     scale = 0.125
@@ -349,8 +354,19 @@ def test_group_of_sixteen_gpu():
 
 @on_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-def test_batch_invariance_gpu(dtype):
+def test_batch_invariance_gpu(dtype, monkeypatch):
+    pin_partition_size(monkeypatch, 128)
     check_batch_invariance("cuda", dtype)
+
+
+@on_gpu
+@pytest.mark.parametrize("size", attention_plan.PARTITION_SIZES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_decode_partition_sizes_gpu(dtype, size, monkeypatch):
+    """Every partition size the planner can choose, whatever this GPU's SM count picks."""
+    pin_partition_size(monkeypatch, size)
+    check_decode("cuda", dtype, 128, 16, 8, long_context=4096)
+    check_decode("cuda", dtype, 64, 32, 3, long_context=2000)
 
 
 @on_gpu
@@ -429,8 +445,16 @@ def test_mixed_batch_emulated(emulated):
     check_mixed(emulated, torch.float16, 64, 32, 3)
 
 
-def test_batch_invariance_emulated(emulated):
+def test_batch_invariance_emulated(emulated, monkeypatch):
+    pin_partition_size(monkeypatch, 64)
     check_batch_invariance(emulated, torch.bfloat16)
+
+
+@pytest.mark.parametrize("size", [512, 64])
+def test_decode_partition_sizes_emulated(emulated, monkeypatch, size):
+    """The sizes the other emulated tests do not reach (they plan 128 and 256 for 132 SMs)."""
+    pin_partition_size(monkeypatch, size)
+    check_decode(emulated, torch.float16, 64, 16, 3, long_context=1100)
 
 
 @pytest.mark.parametrize("misalign", [0, 1, 2], ids=["aligned", "offset1", "offset2"])

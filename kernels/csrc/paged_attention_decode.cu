@@ -8,7 +8,8 @@
 // Kernel 1, paged_attention_decode_<dtype>_d<D>_b<B>:
 //   grid  (num_kv_heads * group_chunks, num_seqs, max_partitions)
 //   block 128 threads (4 warps)
-//   One thread block serves one (sequence, KV head, partition of 512 tokens)
+//   One thread block serves one (sequence, KV head, partition of
+//   partition_size tokens: 64, 128, 256 or 512, chosen per launch)
 //   and up to kMaxGroup query heads of that KV head's group, so each K/V byte
 //   is read once per group (group_chunks = ceil(group / kMaxGroup) is 1 for
 //   every group size up to 8). Warps take whole cache blocks in turn. Within
@@ -18,8 +19,12 @@
 //   reduce-scatter (5 shuffles for 4 keys over 16 lanes instead of 16).
 //   Scores, softmax and accumulators are fp32; the softmax runs in base 2
 //   on scores pre-multiplied by log2(e).
-//   The partition size is fixed, not tuned to the batch, so that a sequence's
-//   result does not depend on what else is in its batch (batch invariance).
+//   The launcher picks the partition size from the batch and the longest
+//   context (kernels/cuda.py, decode_partition_size): 512 whenever that
+//   already gives every SM a block, smaller for small batches so that they
+//   fill the GPU. A sequence's result depends on the partition size (the
+//   merge rounds differently), so it is bit-identical across batches that
+//   launch with the same size, which every batch that fills the GPU does.
 //   A sequence with one partition writes its output directly; with several,
 //   each partition writes (max, sum, normalized output) to fp32 workspaces
 //   for kernel 2. Context length 0 (CUDA-graph padding rows) writes zeros.
@@ -34,7 +39,7 @@ namespace hr {
 
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / kWarpSize;
-constexpr int kPartitionSize = 512;
+constexpr int kPartitionSize = 512;  // the largest partition: sizes the logits buffer
 constexpr int kMaxGroup = 8;
 constexpr int kKeysPerLane = 4;
 
@@ -274,7 +279,7 @@ __device__ __forceinline__ void store_output(DecodeSmem<D>& sm, const DecodeWork
 // Fills in DecodeWork; false when this thread block has nothing to do.
 __device__ __forceinline__ bool decode_work(DecodeWork& w, const int* __restrict__ context_lens,
                                            const int* __restrict__ query_start_loc,
-                                           int group_size) {
+                                           int group_size, int partition_size) {
   w.seq = blockIdx.y;
   w.part = blockIdx.z;
   w.q_row = query_start_loc[w.seq];
@@ -285,11 +290,11 @@ __device__ __forceinline__ bool decode_work(DecodeWork& w, const int* __restrict
   w.head0 = w.kv_head * group_size + chunk * kMaxGroup;
   w.heads = imin(kMaxGroup, group_size - chunk * kMaxGroup);
   w.ctx = context_lens[w.seq];
-  w.parts = (w.ctx + kPartitionSize - 1) / kPartitionSize;
+  w.parts = (w.ctx + partition_size - 1) / partition_size;
   // Partition 0 of an empty context still runs: it writes the zeros.
   if (w.part >= (w.parts > 0 ? w.parts : 1)) return false;
-  w.tok_begin = w.part * kPartitionSize;
-  w.tok_end = imin(w.tok_begin + kPartitionSize, w.ctx);
+  w.tok_begin = w.part * partition_size;
+  w.tok_end = imin(w.tok_begin + partition_size, w.ctx);
   return true;
 }
 
@@ -299,10 +304,11 @@ __device__ __forceinline__ void decode_partition(
     float* __restrict__ ws_sum, const T* __restrict__ query, const T* __restrict__ key_cache,
     const T* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ context_lens, const int* __restrict__ query_start_loc,
-    float scale_log2, int num_kv_heads, int group_size, int table_width, int max_partitions) {
+    float scale_log2, int num_kv_heads, int group_size, int table_width, int max_partitions,
+    int partition_size) {
   __shared__ DecodeSmem<D> sm;
   DecodeWork w;
-  if (!decode_work(w, context_lens, query_start_loc, group_size)) return;
+  if (!decode_work(w, context_lens, query_start_loc, group_size, partition_size)) return;
   const int num_heads = num_kv_heads * group_size;
   if (w.ctx == 0) {
     T* row = out + static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D;
@@ -328,11 +334,12 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
                                               const float* __restrict__ ws_sum,
                                               const int* __restrict__ context_lens,
                                               const int* __restrict__ query_start_loc,
-                                              int num_heads, int max_partitions) {
+                                              int num_heads, int max_partitions,
+                                              int partition_size) {
   const int head = blockIdx.x, seq = blockIdx.y;
   const int q_row = query_start_loc[seq];
   if (query_start_loc[seq + 1] - q_row != 1) return;
-  const int parts = (context_lens[seq] + kPartitionSize - 1) / kPartitionSize;
+  const int parts = (context_lens[seq] + partition_size - 1) / partition_size;
   if (parts <= 1) return;  // written directly by the partition kernel
   const i64 base = (static_cast<i64>(seq) * num_heads + head) * max_partitions;
   float global_max = neg_inf();
@@ -361,19 +368,21 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
           const T* __restrict__ key_cache, const T* __restrict__ value_cache,                   \
           const int* __restrict__ block_tables, const int* __restrict__ context_lens,           \
           const int* __restrict__ query_start_loc, float scale_log2, int num_kv_heads,          \
-          int group_size, int table_width, int max_partitions) {                                \
+          int group_size, int table_width, int max_partitions, int partition_size) {            \
     hr::decode_partition<T, D, B>(out, ws_out, ws_max, ws_sum, query, key_cache, value_cache,   \
                                   block_tables, context_lens, query_start_loc, scale_log2,      \
-                                  num_kv_heads, group_size, table_width, max_partitions);       \
+                                  num_kv_heads, group_size, table_width, max_partitions,        \
+                                  partition_size);                                              \
   }
 
 #define HR_DEFINE_DECODE_REDUCE(SUFFIX, T, D)                                                   \
   extern "C" __global__ void __launch_bounds__(D) paged_attention_decode_reduce_##SUFFIX##_d##D( \
       T* __restrict__ out, const float* __restrict__ ws_out, const float* __restrict__ ws_max,  \
       const float* __restrict__ ws_sum, const int* __restrict__ context_lens,                   \
-      const int* __restrict__ query_start_loc, int num_heads, int max_partitions) {             \
+      const int* __restrict__ query_start_loc, int num_heads, int max_partitions,               \
+      int partition_size) {                                                                     \
     hr::decode_reduce<T, D>(out, ws_out, ws_max, ws_sum, context_lens, query_start_loc,         \
-                            num_heads, max_partitions);                                         \
+                            num_heads, max_partitions, partition_size);                         \
   }
 
 #define HR_DEFINE_DECODE_DTYPE(SUFFIX, T)   \

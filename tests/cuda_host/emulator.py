@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -86,6 +87,21 @@ class Emulator:
         error = function(*grid, block[0], argv, next(self.seed))
         if error:
             raise RuntimeError(f"{name}: {error.decode()}")
+
+
+_session: Emulator | None = None
+
+
+def session_emulator(tmp_path_factory) -> Emulator | None:
+    """One Emulator per test session (its libraries take a while to build); None without
+    g++ or the CUDA headers."""
+    global _session
+    include = cuda_include()
+    if shutil.which("g++") is None or include is None:
+        return None
+    if _session is None:
+        _session = Emulator(tmp_path_factory.mktemp("emulated_kernels"), include)
+    return _session
 
 
 def _to_ctypes(value):

@@ -1,0 +1,133 @@
+"""The engine end to end on a CUDA device, through the CuPy kernels (gpu-marked).
+
+Dummy weights of SmolLM2's shape (the real model does not travel to the GPU
+machine), made once on the CPU in fp32 and copied to each engine, so every
+engine runs the same function. Greedy tokens of a mixed batch of 16 prompts
+(lengths 3..600, so prefills are chunked under a 256-token budget, decodes
+and chunks share steps) are compared:
+
+- with the CPU engine in fp32 (the issue's figure; printed). Random weights
+  give near-tied logits and a greedy run diverges for good after one flip,
+  so the issue's >= 95% is a target for real weights: here the CPU's own
+  bf16 path agreed with its fp32 path at 82.8% of positions (measured on the
+  CPU, 2026-11-23), and the assertion asks for no less than 75%;
+- with the same GPU engine running the torch reference attention instead of
+  the kernels (same dtype, same device: only the attention differs; >= 90%).
+
+Also checked on the GPU: the prefill and decode kernels are both called
+(counted), a second round of prompts sharing prefixes hits the prefix cache,
+and aborting mid-run returns every block.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from compute.core.sampling_params import SamplingParams
+from compute.engine import Engine
+from compute.loaders.dummy import load_dummy
+from kernels import cuda, ops, reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cuda.is_available(), reason="needs a CUDA device and CuPy"),
+]
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cpu_weights():
+    return load_dummy("smollm2-135m", torch.float32, "cpu", seed=0)
+
+
+def make_engine(cpu_weights, device: str, dtype: torch.dtype) -> Engine:
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in cpu_weights.weights.items()}
+    config = EngineConfig(
+        model="dummy:smollm2-135m",
+        cache=CacheConfig(block_size=16, num_blocks=2048),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+        device=DeviceConfig(device=device, dtype=str(dtype).removeprefix("torch.")),
+    )
+    return Engine(config, loaded=replace(cpu_weights, weights=weights))
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [3, 17, 600, 40, 1, 255, 256, 257, 90, 5, 333, 64, 65, 128, 12, 480]
+    return [[rng.randrange(4, 49152) for _ in range(n)] for n in lengths]
+
+
+def greedy_tokens(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
+    return [out.token_ids for out in engine.generate(batch, GREEDY)]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+@pytest.fixture
+def launch_counts(monkeypatch) -> Counter:
+    counts: Counter = Counter()
+    real = cuda._launch
+
+    def counting(device, file, name, *rest):
+        counts[name] += 1
+        return real(device, file, name, *rest)
+
+    monkeypatch.setattr(cuda, "_launch", counting)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_greedy_tokens_agree_with_the_cpu_engine(cpu_weights, launch_counts, dtype):
+    batch = prompts()
+    expected = greedy_tokens(make_engine(cpu_weights, "cpu", torch.float32), batch)
+    gpu = make_engine(cpu_weights, "cuda", dtype)
+    got = greedy_tokens(gpu, batch)
+    share = agreement(got, expected)
+    print(f"\n{dtype}: greedy agreement with the CPU fp32 engine {share:.1%}")
+    assert all(len(t) == NEW_TOKENS for t in got)
+    assert launch_counts["paged_attention_prefill_" + cuda.ATTENTION_DTYPES[dtype] + "_d64"] > 0
+    assert launch_counts[cuda.decode_kernel_name(cuda.ATTENTION_DTYPES[dtype], 64, 16)] > 0
+    assert share >= 0.75
+
+
+def test_kernels_match_the_reference_attention_on_the_gpu(cpu_weights, monkeypatch):
+    batch = prompts(1)
+    kernels = greedy_tokens(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
+    # The model calls ops.<op> at each layer: send CUDA tensors through the torch reference.
+    monkeypatch.setattr(ops, "paged_attention", reference.paged_attention)
+    monkeypatch.setattr(ops, "reshape_and_cache", reference.reshape_and_cache)
+    torch_path = greedy_tokens(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
+    share = agreement(kernels, torch_path)
+    print(f"\nbf16 greedy agreement, kernels vs torch reference attention: {share:.1%}")
+    assert share >= 0.9
+
+
+def test_prefix_cache_and_abort_on_the_gpu(cpu_weights, launch_counts):
+    engine = make_engine(cpu_weights, "cuda", torch.bfloat16)
+    first = prompts(2)
+    greedy_tokens(engine, first)
+    hits_before = engine.stats().prefix_cache_hit_tokens
+    # Same prefixes, new endings: full cached blocks are reused, only the rest is computed.
+    greedy_tokens(engine, [p[:-1] + [7] for p in first if len(p) > 40])
+    assert engine.stats().prefix_cache_hit_tokens > hits_before
+    total = engine.stats().num_blocks
+    for i, p in enumerate(prompts(3)):
+        engine.add_request(f"abort-{i}", p, GREEDY)
+    for _ in range(4):
+        engine.step()
+    assert engine.stats().num_free_blocks < total
+    for i in range(16):
+        engine.abort(f"abort-{i}")
+    assert engine.stats().num_free_blocks == total and not engine.has_unfinished()
+    torch.cuda.synchronize()  # a kernel fault would surface here
