@@ -50,7 +50,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Poisson arrivals, requests/s (0 = all at t=0); headrace systems only, since "
         "the static baselines have no notion of arrival",
     )
-    s = p.add_argument_group("systems")
+    _add_system_flags(p.add_argument_group("systems"))
+    x = p.add_argument_group("extra headrace runs (same workload)")
+    x.add_argument(
+        "--sweep-max-num-seqs",
+        default="",
+        help="max_num_seqs values ('' = skip; --full: 1,4,16,64)",
+    )
+    x.add_argument(
+        "--compare-prefill-intervals",
+        default="",
+        help="prefill_interval values ('' = skip; --full: 0,4)",
+    )
+    x.add_argument(
+        "--full",
+        action="store_true",
+        help="the long run (about 23 min on 2 quiet CPU cores): hf-single on every request, the "
+        "max_num_seqs sweep and the prefill_interval comparison, where not given explicitly",
+    )
+    p.add_argument("--name", default="offline", help="result file prefix in bench/results/")
+    args = p.parse_args(argv)
+    if args.full:
+        _apply_full(args, argv if argv is not None else sys.argv[1:])
+    return args
+
+
+def _add_system_flags(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of systems to run")
     s.add_argument("--max-num-seqs", type=int, default=64, help="headrace max_num_seqs")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="headrace budget")
@@ -71,31 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["float32", "float16", "bfloat16"],
         help="weights and KV cache dtype (all systems); the CUDA kernels take float16/bfloat16",
     )
-    x = p.add_argument_group("extra headrace runs (same workload)")
-    x.add_argument(
-        "--sweep-max-num-seqs",
-        default="",
-        help="max_num_seqs values ('' = skip; --full: 1,4,16,64)",
-    )
-    x.add_argument(
-        "--compare-prefill-intervals",
-        default="",
-        help="prefill_interval values ('' = skip; --full: 0,4)",
-    )
-    x.add_argument(
-        "--full",
-        action="store_true",
-        help="the long run (about 25 min on 2 CPU cores): hf-single on every request, the "
-        "max_num_seqs sweep and the prefill_interval comparison, where not given explicitly",
-    )
-    p.add_argument("--name", default="offline", help="result file prefix in bench/results/")
-    args = p.parse_args(argv)
-    if args.full:  # the long sweeps, kept out of the default `make bench` (<= 8 minutes)
-        given = set(argv if argv is not None else sys.argv[1:])
-        for flag, value in _FULL.items():
-            if not any(a == flag or a.startswith(flag + "=") for a in given):
-                setattr(args, flag[2:].replace("-", "_"), value)
-    return args
+
+
+def _apply_full(args: argparse.Namespace, argv: list[str]) -> None:
+    """The long sweeps, kept out of the default `make bench` (<= 8 minutes); a flag given
+    explicitly wins."""
+    for flag, value in _FULL.items():
+        if not any(a == flag or a.startswith(flag + "=") for a in argv):
+            setattr(args, flag[2:].replace("-", "_"), value)
 
 
 _FULL = {
