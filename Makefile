@@ -23,7 +23,7 @@ GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 .PHONY: help setup setup-gpu gpu-wheels gpu-check system-tools test test-gateway lint format \
-	serve generate bench bench-decode proto nvcc-check clean
+	serve generate bench bench-decode bench-serve proto nvcc-check clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -89,6 +89,20 @@ proto: setup ## regenerate the Python gRPC code from protos/
 
 bench: setup ## offline continuous-batching benchmark vs HF static batching (JSON+PNG in bench/results)
 	$(PY) bench/offline.py $(ARGS)
+
+# Against a running server (`make serve` in another terminal); SERVER/METRICS as for any server.
+SERVER ?= localhost:50051
+METRICS ?= http://localhost:9400/metrics
+BENCH_SERVE := $(VENV)/bin/headrace bench serve --server $(SERVER) --metrics-url $(METRICS) \
+	--input-len 128 --output-len 64 --ignore-eos --goodput ttft:2000,tpot:200
+bench-serve: setup ## headrace bench serve vs a running server: concurrency 1/4/16/64 + a rate sweep
+	for c in 1 4 16 64; do \
+	  n=$$(( c == 1 ? 8 : c == 4 ? 16 : c == 16 ? 32 : c )); \
+	  $(BENCH_SERVE) --max-concurrency $$c --num-requests $$n --label cpu-c$$c \
+	    --result-json bench/results/serve-cpu-c$$c.json --plot bench/results/serve-cpu-c$$c.png $(ARGS); \
+	done
+	$(BENCH_SERVE) --max-concurrency 64 --num-requests 24 --sweep-rate 0.5,1,2,4 --label cpu-sweep \
+	  --result-json bench/results/serve-cpu-sweep.json --plot bench/results/serve-cpu-sweep.png $(ARGS)
 
 bench-decode: setup ## single-sequence decode tokens/s, headrace vs HF transformers
 	$(PY) bench/decode.py $(ARGS)

@@ -16,7 +16,13 @@ import torch
 
 from compute.core.checks import RequestLimits
 from compute.core.config import EngineConfig
-from compute.core.messages import EngineStats, FinishReason, RequestOutput, TokenLogprob
+from compute.core.messages import (
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+    StepTiming,
+    TokenLogprob,
+)
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence
@@ -90,6 +96,7 @@ class Engine:
         self._ids = itertools.count()
         self._failed: list[tuple[str, str]] = []
         self._prompt_tokens = 0
+        self.last_step_timing: StepTiming | None = None  # of the latest step()
         self._generation_tokens = 0
 
     def add_request(
@@ -123,7 +130,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One step. A request that made it fail is aborted and listed by ``take_failed``;
         the others get their outputs as if it had not been there."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t1 = self.runner.forward_end = time.perf_counter()
         self.runner.swap(sched)
         runner_out = run_isolating(self.runner, sched.scheduled)
         for request_id, message in runner_out.faulty.items():
@@ -131,6 +140,16 @@ class Engine:
             self._failed.append((request_id, message))
         outputs = self.scheduler.update_from_output(sched, runner_out)
         self._count_tokens(sched, outputs)
+        t2 = self.runner.forward_end
+        # Plain numbers only (a few perf_counter reads per step); stage 3 turns them into metrics.
+        self.last_step_timing = StepTiming(
+            schedule_s=t1 - t0,
+            forward_s=t2 - t1,
+            sample_s=time.perf_counter() - t2,
+            idle_s=0.0,
+            num_seqs=len(sched.scheduled),
+            num_tokens=sum(item.num_new_tokens for item in sched.scheduled),
+        )
         return outputs
 
     def take_failed(self) -> list[tuple[str, str]]:

@@ -6,6 +6,7 @@ preemption_mode=swap) and the sampler. Returns plain lists to the engine.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ class ModelRunner:
     def faults(self, injector: FaultInjector | None) -> None:
         self._faults = injector
         self.sampler.faults = injector
+        self.forward_end = 0.0  # perf_counter() after the latest forward, for StepTiming
 
     def _allocate_cache(self, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model.config
@@ -101,6 +103,7 @@ class ModelRunner:
         if self._faults is not None:
             self._faults.check_forward([item.seq for item in scheduled])
         hidden = self.model.forward(batch.token_ids, batch.positions, self.kv_caches, batch.meta)
+        self.forward_end = time.perf_counter()  # read by Engine.step for StepTiming
         if not batch.sampling_seqs:
             return ModelRunnerOutput([], [], [])
         logits = self.model.compute_logits(hidden[batch.sample_rows])

@@ -13,6 +13,7 @@ in the engine at the time; the loop then goes on serving new requests.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ from compute.core.messages import (
     RequestOutput,
     Shutdown,
     StepOutputs,
+    StepTiming,
 )
 from compute.log import get_logger
 
@@ -61,6 +63,7 @@ class StepLoop:
         self._active_since = active_since
         self._in_flight: set[str] = set()
         self.idle_seconds = 0.0
+        self._idle_before_step = 0.0  # starved wait since the last step, for StepTiming
         self.stats: EngineStats = engine.stats()  # replaced (not mutated) after every step
         self.crashed = False  # the loop died on a bug: nothing will serve requests any more
 
@@ -84,7 +87,8 @@ class StepLoop:
             outputs, start, end = self._step() if self._in_flight else ((), None, None)
             self.stats = self._snapshot()
             now = time.monotonic()
-            self._send(StepOutputs(outputs, start or now, end or now, self.stats))
+            timing = self._timing() if start is not None else None
+            self._send(StepOutputs(outputs, start or now, end or now, self.stats, timing))
 
     def _receive(self) -> list[Inbound]:
         """Everything queued; blocks for the first message only when nothing is in flight."""
@@ -103,8 +107,17 @@ class StepLoop:
         now = time.monotonic()
         since = self._active_since()
         if since is not None:
-            self.idle_seconds += now - max(waited_from, since)
+            idle = now - max(waited_from, since)
+            self.idle_seconds += idle
+            self._idle_before_step += idle
         return msg
+
+    def _timing(self) -> StepTiming | None:
+        """The engine's record of the step just run, with the wait before it; None when the
+        engine keeps none (test fakes)."""
+        timing = getattr(self._engine, "last_step_timing", None)
+        idle, self._idle_before_step = self._idle_before_step, 0.0
+        return None if timing is None else dataclasses.replace(timing, idle_s=idle)
 
     def _dispatch(self, msg: AddRequest | Abort) -> None:
         if isinstance(msg, AddRequest):

@@ -1,4 +1,5 @@
-"""The ``headrace`` command: ``serve``, ``generate`` (the bundled client), ``info``, ``health``.
+"""The ``headrace`` command: ``serve``, ``generate`` (the bundled client), ``info``, ``health``,
+``bench serve`` (the serving benchmark, services/bench/).
 
 Every serving knob is a flag with a ``HEADRACE_*`` environment twin; the table
 mapping both onto the frozen config dataclasses is ``FLAGS`` in services/cli_flags.py
@@ -14,6 +15,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from services.bench import command as bench_command
+from services.bench import flags as bench_flags
 from services.cli_flags import (
     ENV_PREFIX,
     FLAGS,
@@ -59,6 +62,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     export.add_argument("directory", metavar="DIR", help="created if missing")
     add_flags(export, [f for f in FLAGS if f.option == "--model"], environ, classes)
+    bench_flags.add_parser(commands, environ.get(ENV_PREFIX + "SERVER", DEFAULT_SERVER))
     return parser
 
 
@@ -235,6 +239,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "info": _info,
     "health": _health,
     "export-tokenizer": _export_tokenizer,
+    "bench": bench_command.main,
 }
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from compute.core.messages import EngineStats
+from compute.core.messages import EngineStats, StepTiming
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -20,6 +20,10 @@ _LATENCY_BUCKETS = (
 _ITL_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
+_STEP_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+_POW2 = tuple(float(2**i) for i in range(14))  # 1 .. 8192
 
 # EngineStats cumulative fields mirrored as counters: field -> metric attribute.
 _CUMULATIVE = {
@@ -38,6 +42,7 @@ class Metrics:
         self._add_engine_metrics(self.registry)
         self._add_request_metrics(self.registry)
         self._add_vllm_aliases(self.registry)
+        self._add_step_metrics(self.registry)
         self._last_cumulative = dict.fromkeys(_CUMULATIVE, 0)
 
     def _add_engine_metrics(self, r: CollectorRegistry) -> None:
@@ -105,6 +110,18 @@ class Metrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.prefill_time = Histogram(
+            "headrace_prefill_time_seconds",
+            "First scheduled to first token chunk",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            "headrace_decode_time_seconds",
+            "First token chunk to the end",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.e2e_latency = Histogram(
             "headrace_e2e_request_latency_seconds",
             "Arrival to the last event",
@@ -141,6 +158,35 @@ class Metrics:
             block_size=str(block_size), num_gpu_blocks=str(num_blocks)
         ).set(1)
 
+    def _add_step_metrics(self, r: CollectorRegistry) -> None:
+        """Per engine step, from the StepTiming the step loop attaches (stage 3 observes)."""
+        phase = "Seconds per engine step spent in "
+        self.step_schedule = Histogram("headrace_step_schedule_seconds", phase + "scheduling",
+                                       buckets=_STEP_BUCKETS, registry=r)  # fmt: skip
+        self.step_forward = Histogram("headrace_step_forward_seconds", phase + "the forward pass",
+                                      buckets=_STEP_BUCKETS, registry=r)  # fmt: skip
+        self.step_sample = Histogram(
+            "headrace_step_sample_seconds", phase + "sampling and the scheduler update",
+            buckets=_STEP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.step_idle = Histogram(
+            "headrace_step_idle_seconds",
+            "Seconds the step loop waited for input before a step while requests were live",
+            buckets=_STEP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.step_batch_size = Histogram("headrace_step_batch_size", "Sequences per engine step",
+                                         buckets=_POW2, registry=r)  # fmt: skip
+        self.step_tokens = Histogram("headrace_step_tokens", "Tokens computed per engine step",
+                                     buckets=_POW2, registry=r)  # fmt: skip
+
+    def observe_step(self, timing: StepTiming) -> None:
+        self.step_schedule.observe(timing.schedule_s)
+        self.step_forward.observe(timing.forward_s)
+        self.step_sample.observe(timing.sample_s)
+        self.step_idle.observe(timing.idle_s)
+        self.step_batch_size.observe(timing.num_seqs)
+        self.step_tokens.observe(timing.num_tokens)
+
     def observe_engine_stats(self, stats: EngineStats) -> None:
         """Mirror one snapshot; call from one thread only (it diffs cumulative counts)."""
         for running in (self.requests_running, self.vllm_running):
@@ -159,6 +205,10 @@ class Metrics:
     def observe_first_token(self, queue_seconds: float, ttft_seconds: float) -> None:
         self.queue_time.observe(max(0.0, queue_seconds))
         self.ttft.observe(ttft_seconds)
+        self.prefill_time.observe(max(0.0, ttft_seconds - max(0.0, queue_seconds)))
+
+    def observe_decode(self, seconds: float) -> None:
+        self.decode_time.observe(max(0.0, seconds))
 
     def observe_inter_token(self, seconds: float, num_tokens: int) -> None:
         per_token = seconds / max(1, num_tokens)

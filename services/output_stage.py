@@ -168,6 +168,8 @@ class OutputStage:
     def _on_step(self, step: StepOutputs, deliveries: Deliveries) -> None:
         if step.stats is not None and self._metrics is not None:
             self._metrics.observe_engine_stats(step.stats)
+        if step.timing is not None and self._metrics is not None:
+            self._metrics.observe_step(step.timing)
         now = time.monotonic()
         for output in step.outputs:
             state = self._lookup(output.request_id)
@@ -215,6 +217,8 @@ class OutputStage:
             final = outcome.events[-1]
             reason = final.finish_reason if isinstance(final, Complete) else "error"
             self._metrics.observe_finished(reason, now - state.arrival)
+            if state.first_token is not None:
+                self._metrics.observe_decode(now - state.first_token)
 
 
 def _drain(inbox: queue.Queue[Inbound], limit: int = 64) -> list[Inbound]:
@@ -235,7 +239,11 @@ def _split(step: StepOutputs, n: int, shard_of: Callable[[str], int]) -> dict[in
         parts.setdefault(shard_of(output.request_id), []).append(output)
     return {
         shard: StepOutputs(
-            tuple(outputs), step.step_start, step.step_end, step.stats if shard == 0 else None
+            tuple(outputs),
+            step.step_start,
+            step.step_end,
+            step.stats if shard == 0 else None,
+            step.timing if shard == 0 else None,
         )
         for shard, outputs in parts.items()
     }

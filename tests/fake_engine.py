@@ -18,7 +18,13 @@ import torch
 from compute.core.checks import RequestLimits
 from compute.core.config import ModelConfig
 from compute.core.errors import FieldError
-from compute.core.messages import EngineStats, FinishReason, RequestOutput, TokenLogprob
+from compute.core.messages import (
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+    StepTiming,
+    TokenLogprob,
+)
 from compute.core.sampling_params import SamplingParams
 from compute.engine import CompletionOutput
 from compute.tokenizer import Tokenizer
@@ -77,6 +83,7 @@ class FakeEngine:
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.num_steps = 0
+        self.last_step_timing: StepTiming | None = None
         self._seqs: dict[str, _FakeSeq] = {}
         self._lock = threading.Lock()  # tests read while the step loop writes
         self._generation_tokens = 0
@@ -111,6 +118,8 @@ class FakeEngine:
             ):
                 raise RuntimeError("fake engine: poisoned batch")
             outs = [self._advance(rid, seq) for rid, seq in running]
+            n = len(running)  # one token per sequence; the sleep stands in for the forward
+            self.last_step_timing = StepTiming(0.0, self.step_delay, 0.0, 0.0, n, n)
             for out in outs:
                 if out.finished:
                     del self._seqs[out.request_id]

@@ -155,3 +155,18 @@ def test_admission_rejects_what_can_never_fit() -> None:
     with pytest.raises(ValueError, match="^prompt"):
         engine.add_request("oov", [10**9], SamplingParams(max_tokens=1))
     assert not engine.has_unfinished()
+
+
+def test_step_records_where_its_time_went() -> None:
+    engine = make_engine()
+    prompt = engine.tokenizer.encode(TEXTS[0])
+    engine.add_request("t", prompt, GREEDY)
+    engine.step()  # the whole prompt in one prefill step
+    prefill = engine.last_step_timing
+    assert (prefill.num_seqs, prefill.num_tokens) == (1, len(prompt))
+    engine.step()
+    decode = engine.last_step_timing
+    assert (decode.num_seqs, decode.num_tokens) == (1, 1)
+    for timing in (prefill, decode):
+        assert min(timing.schedule_s, timing.forward_s, timing.sample_s) >= 0.0
+        assert timing.forward_s > 0.0

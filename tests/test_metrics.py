@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from compute.core.messages import EngineStats
+from compute.core.messages import EngineStats, StepTiming
 from services.metrics import Metrics
 
 EXPECTED_SAMPLES = {
@@ -22,6 +22,14 @@ EXPECTED_SAMPLES = {
     "headrace_time_to_first_token_seconds_count",
     "headrace_inter_token_latency_seconds_count",
     "headrace_e2e_request_latency_seconds_count",
+    "headrace_prefill_time_seconds_count",
+    "headrace_decode_time_seconds_count",
+    "headrace_step_schedule_seconds_count",
+    "headrace_step_forward_seconds_count",
+    "headrace_step_sample_seconds_count",
+    "headrace_step_idle_seconds_count",
+    "headrace_step_batch_size_count",
+    "headrace_step_tokens_count",
 }
 
 
@@ -76,3 +84,31 @@ def test_registries_are_independent() -> None:
     first.observe_rejected("unavailable")
     assert ("headrace_requests_rejected_total", (("reason", "unavailable"),)) in samples(first)
     assert ("headrace_requests_rejected_total", (("reason", "unavailable"),)) not in samples(second)
+
+
+def test_step_timing_and_request_phases_become_histograms() -> None:
+    metrics = Metrics()
+    metrics.observe_step(StepTiming(0.001, 0.02, 0.003, 0.004, num_seqs=5, num_tokens=133))
+    metrics.observe_first_token(queue_seconds=0.25, ttft_seconds=1.0)
+    metrics.observe_decode(2.0)
+    found = samples(metrics)
+    assert found[("headrace_step_forward_seconds_sum", ())] == 0.02
+    assert found[("headrace_step_idle_seconds_sum", ())] == 0.004
+    assert found[("headrace_step_batch_size_sum", ())] == 5
+    assert found[("headrace_step_tokens_bucket", (("le", "128.0"),))] == 0
+    assert found[("headrace_step_tokens_bucket", (("le", "256.0"),))] == 1
+    assert found[("headrace_prefill_time_seconds_sum", ())] == 0.75  # ttft - queue
+    assert found[("headrace_decode_time_seconds_sum", ())] == 2.0
+
+
+def test_a_served_request_fills_the_step_and_phase_histograms(served) -> None:
+    from services.client import Client, generate_request
+
+    with Client(served.target, timeout=30) as client:
+        for i in range(3):
+            list(client.generate(generate_request("hi", max_tokens=4, request_id=f"r{i}")))
+    found = samples(served.metrics)
+    assert found[("headrace_step_batch_size_count", ())] >= 4
+    assert found[("headrace_step_tokens_sum", ())] >= 12
+    assert found[("headrace_prefill_time_seconds_count", ())] == 3
+    assert found[("headrace_decode_time_seconds_count", ())] == 3

@@ -91,6 +91,22 @@ class Shutdown:
 
 
 @dataclass(frozen=True, slots=True)
+class StepTiming:
+    """Where one step's time went, in seconds, and how big it was; plain numbers the step
+    loop records so that stage 3 (not the step loop) updates the metrics.
+
+    On CUDA, kernels run asynchronously: forward_s is then mostly launch time and the wait
+    for the GPU lands in sample_s, where the sampled ids are copied to the host."""
+
+    schedule_s: float  # scheduler.schedule()
+    forward_s: float  # building the batch and the model's forward
+    sample_s: float  # logits, sampling, and the scheduler's update
+    idle_s: float  # the step loop waited for input before this step, with requests live
+    num_seqs: int  # sequences in the batch
+    num_tokens: int  # tokens computed (prefill chunks + one per decoding sequence)
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutputs:
     """One engine step's outputs plus the engine's stats right after it."""
 
@@ -98,6 +114,7 @@ class StepOutputs:
     step_start: float  # time.monotonic()
     step_end: float
     stats: EngineStats | None
+    timing: StepTiming | None = None  # None for an empty step or an engine that keeps none
 
 
 class FailureKind(enum.StrEnum):

@@ -1,0 +1,66 @@
+"""``--launch``: start ``headrace serve`` in a subprocess on free ports for the benchmark."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+READY = re.compile(r"headrace ready: .* on (?P<host>[^\s:]+):(?P<port>\d+)")
+METRICS = re.compile(r"metrics: (?P<url>http://\S+/metrics)")
+
+
+@contextlib.contextmanager
+def launched_server(serve_args: Sequence[str], ready_timeout: float) -> Iterator[tuple[str, str]]:
+    """``headrace serve <serve_args>`` on free ports; yields (gRPC target, metrics URL);
+    SIGTERM (drain) on exit. The server's output goes to a temporary log, shown on failure."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--log-level",
+        "warning",
+        *serve_args,
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "server.log"
+        with log_path.open("w") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=os.environ)
+        try:
+            yield _wait_ready(proc, log_path, ready_timeout)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen, log_path: Path, timeout: float) -> tuple[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_text()
+        ready, metrics = READY.search(text), METRICS.search(text)
+        if ready and metrics:
+            return f"{ready['host']}:{ready['port']}", metrics["url"]
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the launched server exited with {proc.returncode}:\n{text[-4000:]}"
+            )
+        time.sleep(0.2)
+    raise TimeoutError(f"server not ready after {timeout:.0f}s:\n{log_path.read_text()[-4000:]}")
