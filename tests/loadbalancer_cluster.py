@@ -47,7 +47,7 @@ class Replica:
         return f"127.0.0.1:{self.port}"
 
 
-def start_replica(extra: tuple[str, ...] = (), timeout: float = 120) -> Replica:
+def start_replica(extra: tuple[str, ...] = (), timeout: float = 300) -> Replica:
     """`headrace serve --port 0`; the ports come from its ready lines (bounded wait)."""
     args = [HEADRACE, "serve", "--model", "dummy:tiny", "--host", "127.0.0.1", "--port", "0"]
     args += ["--metrics-port", "0", "--log-format", "json", "--grace-period", "30", *extra]
