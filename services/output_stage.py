@@ -49,11 +49,11 @@ class Deliveries:
     """Events of one batch, grouped per event loop: one thread-safe wake-up per loop."""
 
     def __init__(self) -> None:
-        self._by_loop: defaultdict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]]
+        self._by_loop: defaultdict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]]
         self._by_loop = defaultdict(list)
 
     def add(self, stream: RequestStream, events: list[Event]) -> None:
-        self._by_loop[stream.loop].extend((stream.queue, event) for event in events)
+        self._by_loop[stream.loop].extend((stream, event) for event in events)
 
     def send(self) -> None:
         for loop, items in self._by_loop.items():
@@ -64,9 +64,9 @@ class Deliveries:
         self._by_loop.clear()
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
-    for q, event in items:
-        q.put_nowait(event)
+def _put_all(items: list[tuple[RequestStream, Event]]) -> None:
+    for stream, event in items:
+        stream.put(event)
 
 
 class OutputStage:

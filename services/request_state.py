@@ -1,6 +1,11 @@
 """Stage 3's per-request state: one request's stream, detokenizer and stop matcher.
 
-``RequestStream`` is the asyncio end a request's events are delivered to;
+``RequestStream`` is the asyncio end a request's events are delivered to. It coalesces:
+when a client reads slower than the server generates, the chunks it has not taken yet
+are merged into one pending chunk (text, token ids and logprobs concatenated, in order),
+so a stream never holds more than one pending chunk plus its final event, however slow
+the reader; generation is not paused. The merged chunk is bounded by the request's
+max_tokens.
 ``RequestState`` turns each step's ``RequestOutput`` into the ``Outcome`` (events, done, abort)
 that the output stage delivers.
 """
@@ -8,6 +13,7 @@ that the output stage delivers.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 
 from compute.core.messages import AddRequest, FinishReason, RequestOutput
@@ -20,14 +26,47 @@ Event = Chunk | Complete | RequestError
 
 
 class RequestStream:
-    """The asyncio end of one request: stage 3 puts events, the generator awaits them."""
+    """The asyncio end of one request: stage 3 puts events (on ``loop``), the request's
+    generator awaits them. Pending chunks are coalesced (see the module docstring)."""
+
+    MAX_PENDING = 2  # one (coalesced) chunk + the final Complete or error
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._pending: deque[Event] = deque()
+        self._ready = asyncio.Event()
+        self.num_coalesced = 0  # chunks merged into a pending one: the reader was slow
+
+    def put(self, event: Event) -> None:
+        """Called on ``loop``'s thread only."""
+        last = self._pending[-1] if self._pending else None
+        if isinstance(event, Chunk) and isinstance(last, Chunk):
+            self._pending[-1] = merge_chunks(last, event)
+            self.num_coalesced += 1
+        else:
+            self._pending.append(event)
+        self._ready.set()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
 
     async def get(self) -> Event:
-        return await self.queue.get()
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._pending.popleft()
+
+
+def merge_chunks(first: Chunk, second: Chunk) -> Chunk:
+    """One chunk carrying ``first`` then ``second``."""
+    return Chunk(
+        text=first.text + second.text,
+        token_ids=first.token_ids + second.token_ids,
+        logprobs=first.logprobs + second.logprobs,
+        tokens=first.tokens + second.tokens,
+        top_tokens=first.top_tokens + second.top_tokens,
+    )
 
 
 @dataclass
