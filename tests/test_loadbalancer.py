@@ -51,13 +51,15 @@ _details: list[str] = []
 
 
 def _stream(target: str, max_tokens: int, started: threading.Event | None = None):
-    """(status code name, responses received) of one Generate through ``target``."""
+    """(status code name, tokens received + 1 for the complete) of one Generate.
+
+    Tokens, not messages: the server coalesces chunks a slow reader has not taken yet."""
     channel = grpc.insecure_channel(target)
     received = 0
     try:
         stub = client.pb_grpc.GenerationServiceStub(channel)
         for response in stub.Generate(_request(max_tokens), timeout=90):
-            received += 1
+            received += len(response.chunk.token_ids) if response.HasField("chunk") else 1
             if started is not None:
                 started.set()
             if response.HasField("complete"):
