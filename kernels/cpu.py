@@ -1,0 +1,275 @@
+"""Launchers of the CPU kernels (kernels/csrc/cpu/): build once, load, check, call.
+
+The library is built by kernels/cpu_build.py and called through ctypes with plain
+pointers, so it needs no torch headers. Each launcher checks dtypes, shapes and
+contiguity (ValueError naming the argument) before a pointer crosses; the kernels
+trust them. ``available()`` says whether this machine can run them at all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import Tensor
+
+from compute.log import get_logger
+from kernels import cpu_build
+from kernels.metadata import AttentionMetadata
+from kernels.quant import QuantizedWeight
+
+log = get_logger(__name__)
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+_SIGNATURES = {
+    "hr_quant_linear": (_I, _P, _I, _I, _P, _I, _P, _P),
+    "hr_quant_linear_int8": (_I, _P, _I, _I, _P, _I, _P, _P),
+    "hr_dequantize_rows": (_I, _P, _I, _P, _I, _P),
+    "hr_rms_norm": (_P, _P, _P, _I, _I, _F),
+    "hr_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
+    "hr_silu_mul": (_P, _P, _I, _I),
+    "hr_paged_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P),
+    "hr_rope_and_cache": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded kernels for this CPU (built first if needed). BuildError if impossible."""
+    isa = cpu_build.best_isa()
+    if isa is None:
+        raise cpu_build.BuildError("this CPU has neither AVX-512 nor AVX2")
+    path = cpu_build.build(isa)
+    lib = ctypes.CDLL(str(path))
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = None
+    log.info("cpu kernels loaded", isa=isa, path=str(path))
+    return lib
+
+
+def available() -> bool:
+    """True when the kernels build and load here; logs why not otherwise."""
+    try:
+        library()
+    except (cpu_build.BuildError, OSError) as err:
+        log.warning("cpu kernels unavailable", reason=str(err).splitlines()[0])
+        return False
+    return True
+
+
+def _check(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int | None, ...]) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device}"
+            f"{'' if t.is_contiguous() else ' (not contiguous)'}"
+        )
+    if len(shape) != t.dim() or any(
+        s is not None and s != n for s, n in zip(shape, t.shape, strict=True)
+    ):
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def quant_linear(
+    x: Tensor,
+    weight: QuantizedWeight,
+    bias: Tensor | None = None,
+    int8: bool = False,
+    check: bool = True,
+) -> Tensor:
+    """x [n, cols] fp32 @ weight.T (+ bias) -> [n, rows] fp32.
+
+    ``int8``: x is quantized to int8 per block of 32 first (quantize_activations) and the
+    products are integer dot products, as llama.cpp computes; otherwise exact fp32 math."""
+    if check:
+        _check("x", x, torch.float32, (None, weight.cols))
+        if bias is not None:
+            _check("bias", bias, torch.float32, (weight.rows,))
+    out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
+    if x.shape[0]:
+        lib = library()
+        fn = lib.hr_quant_linear_int8 if int8 else lib.hr_quant_linear
+        fn(
+            weight.format.code,
+            x.data_ptr(),
+            x.shape[0],
+            weight.cols,
+            weight.data.data_ptr(),
+            weight.rows,
+            out.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+        )
+    return out
+
+
+def check_attention(
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, meta: AttentionMetadata
+) -> None:
+    """What paged_attention needs of its arguments (ValueError naming the first that fails)."""
+    tokens, num_heads, head_dim = query.shape
+    num_blocks, _, num_kv_heads, _ = key_cache.shape
+    _check("query", query, torch.float32, (tokens, num_heads, head_dim))
+    _check("key_cache", key_cache, torch.float32, (None, None, num_kv_heads, head_dim))
+    _check("value_cache", value_cache, torch.float32, key_cache.shape)
+    _check("block_tables", meta.block_tables, torch.int32, (meta.num_seqs, None))
+    _check("context_lens", meta.context_lens, torch.int32, (meta.num_seqs,))
+    _check("query_start_loc", meta.query_start_loc, torch.int32, (meta.num_seqs + 1,))
+    if head_dim % 16:
+        raise ValueError(f"query: head dim must be a multiple of 16, got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query: {num_heads} heads are not a multiple of {num_kv_heads} KV heads")
+    if sum(meta.query_lens) > tokens:
+        raise ValueError(f"meta: {sum(meta.query_lens)} queries for {tokens} query rows")
+    if meta.num_seqs and int(meta.block_tables.max()) >= num_blocks:
+        raise ValueError(f"block_tables: block ids must be < {num_blocks}")
+    if meta.max_context_len > meta.block_tables.shape[1] * key_cache.shape[1]:
+        raise ValueError("block_tables: a context is longer than its table")
+
+
+def quantize_activations(x: Tensor) -> Tensor:
+    """What ``quant_linear(int8=True)`` computes with instead of x [n, k] (torch reference):
+    per block of 32, dx = max|x| / 127 and x ~ round(x / dx) * dx."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+def dequantize_rows(weight: QuantizedWeight, rows: Tensor | None = None) -> Tensor:
+    """fp32 copies of `rows` (int64 indices; None = all) of the weight, bit-exact."""
+    count = weight.rows if rows is None else rows.shape[0]
+    if rows is not None:
+        _check("rows", rows, torch.int64, (None,))
+        if count and (int(rows.min()) < 0 or int(rows.max()) >= weight.rows):
+            raise ValueError(f"rows must be in [0, {weight.rows})")
+    out = torch.empty(count, weight.cols, dtype=torch.float32)
+    if count:
+        library().hr_dequantize_rows(
+            weight.format.code,
+            weight.data.data_ptr(),
+            weight.cols,
+            None if rows is None else rows.data_ptr(),
+            count,
+            out.data_ptr(),
+        )
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, check: bool = True) -> Tensor:
+    """RMSNorm of each row of x [n, h] (HF LlamaRMSNorm's order)."""
+    n, h = x.shape
+    if check:
+        _check("x", x, torch.float32, (n, h))
+        _check("weight", weight, torch.float32, (h,))
+    out = torch.empty_like(x)
+    library().hr_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, h, eps)
+    return out
+
+
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, check: bool = True
+) -> Tensor:
+    """residual += x (in place); returns RMSNorm(residual)."""
+    n, h = residual.shape
+    if check:
+        _check("x", x, torch.float32, (n, h))
+        _check("residual", residual, torch.float32, (n, h))
+        _check("weight", weight, torch.float32, (h,))
+    out = torch.empty_like(x)
+    library().hr_add_rms_norm(
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), n, h, eps
+    )
+    return out
+
+
+def silu_mul(gate_up: Tensor, check: bool = True) -> Tensor:
+    """gate_up [n, 2 * i] -> silu(gate) * up [n, i]."""
+    n, width = gate_up.shape
+    if check:
+        _check("gate_up", gate_up, torch.float32, (n, width))
+    out = torch.empty(n, width // 2, dtype=torch.float32)
+    library().hr_silu_mul(gate_up.data_ptr(), out.data_ptr(), n, width // 2)
+    return out
+
+
+def rope_and_cache(
+    qkv: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    slot_mapping: Tensor,
+    num_heads: int,
+    check: bool = True,
+) -> Tensor:
+    """Rotate q and k of the fused qkv [T, (H + 2 Hkv) D]; k, v into the caches; -> q [T, H, D].
+
+    Positions must be < the tables' length: the launcher checks them (with ``check``)."""
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    tokens = qkv.shape[0]
+    if check:
+        _check("qkv", qkv, torch.float32, (tokens, (num_heads + 2 * num_kv_heads) * head_dim))
+        _check("positions", positions, torch.int64, (tokens,))
+        _check("slot_mapping", slot_mapping, torch.int64, (tokens,))
+        _check("cos", cos, torch.float32, (None, head_dim))
+        _check("sin", sin, torch.float32, cos.shape)
+        _check("key_cache", key_cache, torch.float32, (None, None, num_kv_heads, head_dim))
+        _check("value_cache", value_cache, torch.float32, key_cache.shape)
+        if tokens and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
+            raise ValueError(f"positions must be in [0, {cos.shape[0]})")
+    q = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
+    library().hr_rope_and_cache(
+        qkv.data_ptr(),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slot_mapping.data_ptr(),
+        tokens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+    )
+    return q
+
+
+def paged_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    check: bool = True,
+) -> Tensor:
+    """Attention of query [T, H, D] over the paged caches (kernels/metadata.py's layout)."""
+    tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if check:
+        check_attention(query, key_cache, value_cache, meta)
+    # Rows no sequence owns (batch padding) come back zero, as the reference gives them.
+    covered = sum(meta.query_lens) == tokens
+    out = torch.empty_like(query) if covered else torch.zeros_like(query)
+    library().hr_paged_attention(
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        meta.block_tables.data_ptr(),
+        meta.context_lens.data_ptr(),
+        meta.query_start_loc.data_ptr(),
+        meta.num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        meta.block_tables.shape[1],
+        scale,
+        out.data_ptr(),
+    )
+    return out

@@ -1,0 +1,127 @@
+// Shared helpers of the CPU kernels (kernels/cpu.py builds and loads them).
+//
+// The kernels are written with GCC vector extensions, 16 floats wide: built with
+// -march=x86-64-v4 they become AVX-512, with -march=x86-64-v3 pairs of AVX2 ops, so
+// one source serves both. Every entry point is `extern "C"` with plain pointers and
+// int64 sizes; the Python launchers check dtypes, shapes and contiguity first.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define HR_EXPORT extern "C" __attribute__((visibility("default")))
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+
+// Unaligned loads and stores through memcpy: the compiler emits one vmovups.
+static inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+
+// The sum of 16 lanes, by pairwise halving: the same order on every ISA and in every
+// kernel, so a dot product gives the same bits whichever kernel computed it.
+static inline float hsum(v16f v) {
+#ifdef __AVX512F__
+  const __m512 z = (__m512)v;
+  const __m256 a = _mm256_add_ps(_mm512_extractf32x8_ps(z, 0), _mm512_extractf32x8_ps(z, 1));
+#else
+  __m256 halves[2];
+  std::memcpy(halves, &v, sizeof halves);
+  const __m256 a = _mm256_add_ps(halves[0], halves[1]);
+#endif
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  const __m128 d = _mm_add_ss(c, _mm_movehdup_ps(c));
+  return _mm_cvtss_f32(d);
+}
+
+// n fp16 values to floats, exactly: 16 at a time, then one by one.
+static inline void halves_to_float(const uint8_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i))));
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, 2);
+    dst[i] = _cvtsh_ss(h);
+  }
+}
+
+static inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);  // exact: every fp16 value is a float
+}
+
+static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// 16 bytes to 16 floats. Intrinsics, because GCC scalarises a vector-extension
+// conversion from bytes (a lane at a time through general registers).
+static inline v16f widen_i32(__m128i lo8, __m128i hi8, bool is_signed) {
+#ifdef __AVX512F__
+  (void)hi8;
+  const __m512i w = is_signed ? _mm512_cvtepi8_epi32(lo8) : _mm512_cvtepu8_epi32(lo8);
+  return (v16f)_mm512_cvtepi32_ps(w);
+#else
+  const __m256i a = is_signed ? _mm256_cvtepi8_epi32(lo8) : _mm256_cvtepu8_epi32(lo8);
+  const __m256i b = is_signed ? _mm256_cvtepi8_epi32(hi8) : _mm256_cvtepu8_epi32(hi8);
+  __m256 halves[2] = {_mm256_cvtepi32_ps(a), _mm256_cvtepi32_ps(b)};
+  v16f out;
+  std::memcpy(&out, halves, sizeof out);
+  return out;
+#endif
+}
+
+static inline v16f bytes_to_float(__m128i bytes, bool is_signed) {
+  return widen_i32(bytes, _mm_srli_si128(bytes, 8), is_signed);
+}
+
+// Low and high nibbles of 16 bytes, as two vectors of 16 floats.
+static inline void nibbles_to_float(const uint8_t* p, v16f& lo, v16f& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(15);
+  lo = bytes_to_float(_mm_and_si128(bytes, mask), false);
+  hi = bytes_to_float(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), false);
+}
+
+static inline v16f int8_to_float(const uint8_t* p) {
+  return bytes_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), true);
+}
+
+// expf for a vector, Cephes-style: exp(x) = 2^n * p(r), r = x - n ln2, |r| <= ln2/2.
+// Relative error < 2 ulp; x < -87.3 gives 0, x is clamped at 88.3 (~2e38, finite).
+static inline v16f exp16(v16f x) {
+  const v16f lo = splat(-87.3f), hi = splat(88.3f);
+  const v16f under = x <= lo ? splat(1.0f) : v16f{};
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  v16f n = x * 1.44269504088896341f;
+  // Round to nearest without libm: add and subtract 1.5 * 2^23.
+  n = (n + 12582912.0f) - 12582912.0f;
+  v16f r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16f p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  v16i e = __builtin_convertvector(n, v16i) + 127;
+  e = e << 23;
+  v16f scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  v16f out = p * scale;
+  return under != 0.0f ? v16f{} : out;
+}

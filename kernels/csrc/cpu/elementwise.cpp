@@ -1,0 +1,56 @@
+// The small per-token steps of a decoder layer, fused so that each is one call:
+// RMSNorm (with the residual add before it), SiLU(gate) * up, and the embedding
+// lookup of quantized rows lives in quant_linear.cpp. All fp32, rows in parallel.
+#include <omp.h>
+
+#include "common.h"
+
+namespace {
+
+// Rows of `h` floats: worth a parallel region only past a few rows.
+inline bool parallel_rows(int64_t n, int64_t h) { return n * h >= 8 * 4096; }
+
+// y = x * rsqrt(mean(x^2) + eps) * weight, in HF LlamaRMSNorm's order (normalise, then
+// scale by the weight). h % 16 == 0.
+inline void rms_row(const float* x, const float* weight, float* y, int64_t h, float eps) {
+  v16f acc = {};
+  for (int64_t c = 0; c < h; c += 16) {
+    const v16f v = load16(x + c);
+    acc += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(h) + eps);
+  for (int64_t c = 0; c < h; c += 16) store16(y + c, load16(weight + c) * (load16(x + c) * inv));
+}
+
+}  // namespace
+
+// out[i] = rms_norm(x[i]) * weight for n rows of h floats.
+HR_EXPORT void hr_rms_norm(const float* x, const float* weight, float* out, int64_t n, int64_t h,
+                           float eps) {
+#pragma omp parallel for schedule(static) if (parallel_rows(n, h))
+  for (int64_t i = 0; i < n; ++i) rms_row(x + i * h, weight, out + i * h, h, eps);
+}
+
+// residual[i] += x[i]; out[i] = rms_norm(residual[i]) * weight (the residual stream kept
+// in `residual`, the next sublayer's input in `out`).
+HR_EXPORT void hr_add_rms_norm(const float* x, float* residual, const float* weight, float* out,
+                               int64_t n, int64_t h, float eps) {
+#pragma omp parallel for schedule(static) if (parallel_rows(n, h))
+  for (int64_t i = 0; i < n; ++i) {
+    float* r = residual + i * h;
+    for (int64_t c = 0; c < h; c += 16) store16(r + c, load16(r + c) + load16(x + i * h + c));
+    rms_row(r, weight, out + i * h, h, eps);
+  }
+}
+
+// out[i, :] = silu(gate_up[i, :inter]) * gate_up[i, inter:]; silu(g) = g / (1 + exp(-g)).
+HR_EXPORT void hr_silu_mul(const float* gate_up, float* out, int64_t n, int64_t inter) {
+#pragma omp parallel for schedule(static) if (parallel_rows(n, inter))
+  for (int64_t i = 0; i < n; ++i) {
+    const float* g = gate_up + i * 2 * inter;
+    for (int64_t c = 0; c < inter; c += 16) {
+      const v16f gv = load16(g + c);
+      store16(out + i * inter + c, gv / (1.0f + exp16(-gv)) * load16(g + inter + c));
+    }
+  }
+}
