@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from compute.core.checks import RequestLimits
-from compute.core.config import EngineConfig
+from compute.core.config import DeviceConfig, EngineConfig
 from compute.core.messages import (
     EngineStats,
     FinishReason,
@@ -28,10 +28,13 @@ from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence
 from compute.fault_isolation import run_isolating
 from compute.loaders import LoadedModel, load_model
+from compute.log import get_logger
 from compute.malloc_tuning import keep_freed_memory
 from compute.model import LlamaModel
-from compute.model_runner import ModelRunner, blocks_for_memory
-from kernels import ops
+from compute.model_runner import ModelRunner, blocks_for_memory, default_num_blocks
+from kernels import cpu, ops
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -57,8 +60,15 @@ class Engine:
             keep_freed_memory()
             if config.device.num_threads:
                 torch.set_num_threads(config.device.num_threads)
+        native, weights = cpu_execution(config.device, device, dtype)
         if loaded is None:
-            loaded = load_model(config.model, dtype=dtype, device=device, seed=config.seed)
+            loaded = load_model(
+                config.model,
+                dtype=dtype,
+                device=device,
+                seed=config.seed,
+                quantized=weights != "dense",
+            )
         self.device, self.dtype = device, dtype
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -70,11 +80,14 @@ class Engine:
         ops.check_backend(
             device, dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, config.cache.block_size
         )
-        model = LlamaModel(loaded.config, loaded.weights)
+        model = LlamaModel(
+            loaded.config, loaded.weights, native=native, int8=weights == "quantized-int8"
+        )
+        log.info("model ready", cpu_kernels=native, weights=weights)
         loaded.weights.clear()  # the model holds its own (fused) copies now
         self.block_size = config.cache.block_size
-        self.num_blocks = config.cache.num_blocks or blocks_for_memory(
-            loaded.config, config.cache, config.cache.memory_gib, dtype
+        self.num_blocks = config.cache.num_blocks or default_num_blocks(
+            config, loaded.config, device, dtype, self.max_model_len
         )
         num_host_blocks = 0
         if config.scheduler.preemption_mode == "swap":
@@ -247,6 +260,22 @@ class _Accumulator:
             logprobs=self.logprobs,
             num_cached_tokens=last.num_cached_tokens if last else 0,
         )
+
+
+def cpu_execution(cfg: DeviceConfig, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """(native, weights): run on the CPU kernels? which weight mode (never "auto")?
+    ValueError naming the option when what was asked cannot run here."""
+    fits = device.type == "cpu" and dtype == torch.float32
+    if cfg.cpu_kernels == "native" and not fits:
+        raise ValueError("cpu_kernels: the CPU kernels run on the CPU in float32 only")
+    if cfg.cpu_kernels == "native" and not cpu.available():
+        raise ValueError("cpu_kernels: the CPU kernels cannot be built here (see the log)")
+    native = cfg.cpu_kernels == "native" or (cfg.cpu_kernels == "auto" and fits and cpu.available())
+    if cfg.weights.startswith("quantized") and not native:
+        raise ValueError("weights: quantized weights need the CPU kernels (--cpu-kernels native)")
+    if cfg.weights == "auto":
+        return native, "quantized-int8" if native else "dense"
+    return native, cfg.weights
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:

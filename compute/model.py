@@ -5,43 +5,66 @@ The model sees a flat, unpadded batch ``(token_ids, positions)`` and one
 arrive with Hugging Face Llama names (compute/loaders/) and are fused here
 (q|k|v and gate|up) so each layer runs four matmuls.
 
-On the CPU each projection also keeps a transposed copy, ``[in, out]``, used
-as ``x @ w_t`` when a step has at most two rows: there that layout reaches
-about twice the memory bandwidth of ``F.linear`` over ``[out, in]`` (measured
-on this project's 2-core machine: 30 layer-sized matrices at batch 1, 13.3 ms
--> 7.9 ms; a whole decode step, 59 -> 43 ms), while from four rows on the
-usual layout is ~8% faster. The copy costs one more model's worth of RAM.
-GPUs keep one layout.
+Two ways to run on the CPU, chosen by the engine (``native``):
+
+- the CPU kernels (kernels/cpu.py): weights may stay in the GGUF file's blocks
+  (kernels/quant.py) and are expanded in registers inside each matmul; RMSNorm with
+  its residual add, RoPE with the cache write, attention over the paged cache and
+  SiLU * up are one call each;
+- torch (the reference and the GPU path): dense weights; each dense projection keeps
+  a transposed copy ``[in, out]`` on the CPU, used as ``x @ w_t`` for steps of at most
+  two rows, where that layout reaches about twice the memory bandwidth of ``F.linear``
+  over ``[out, in]`` (measured on this project's 2-core machine: a whole decode step,
+  59 -> 43 ms). GPUs keep one layout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from compute.core.config import ModelConfig
-from kernels import ops
+from kernels import cpu, ops
 from kernels.metadata import AttentionMetadata
+from kernels.quant import QuantizedWeight
 
 # Rows up to which the transposed copy is faster (see the module docstring).
 _GEMV_ROWS = 2
 
 
 class Projection:
-    """A linear layer's weight [out, in] (+ bias), with a transposed CPU copy for GEMVs."""
+    """A linear layer: a dense weight [out, in] (+ bias), or one in quantized blocks."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight.contiguous()
-        self.bias = bias
-        self.weight_t = weight.t().contiguous() if weight.device.type == "cpu" else None
+    def __init__(
+        self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, int8=False
+    ) -> None:
+        self.bias, self.int8 = bias, int8
+        self.quantized = weight if isinstance(weight, QuantizedWeight) else None
+        self.weight = None if self.quantized else weight.contiguous()
+        on_cpu = self.weight is not None and self.weight.device.type == "cpu"
+        self.weight_t = self.weight.t().contiguous() if on_cpu else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, check: bool = True) -> torch.Tensor:
+        if self.quantized is not None:
+            return cpu.quant_linear(x, self.quantized, self.bias, self.int8, check)
         if self.weight_t is not None and x.shape[0] <= _GEMV_ROWS:
             out = x @ self.weight_t
             return out if self.bias is None else out.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def fuse(parts: Sequence[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    """Stack the rows of several weights (q|k|v, gate|up). Quantized parts stay quantized
+    when they share a block format; mixed parts are dequantized (exactly) to fp32."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        try:
+            return QuantizedWeight.cat(parts)  # type: ignore[arg-type]
+        except ValueError:
+            pass
+    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
 
 
 @dataclass
@@ -75,16 +98,27 @@ class RotaryEmbedding:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor | QuantizedWeight],
+        native: bool = False,
+        int8: bool = False,
+    ) -> None:
         """Build from HF-named weights. Per-layer tensors are popped from ``weights``
-        as they are fused, so peak memory stays near one copy of the model."""
+        as they are fused, so peak memory stays near one copy of the model.
+        ``native``: run on the CPU kernels (fp32, CPU only; quantized weights need it);
+        ``int8``: quantized matmuls take int8 activations (kernels/cpu.py quant_linear)."""
         self.config = config
         embed = weights["model.embed_tokens.weight"]
-        self.device, self.dtype = embed.device, embed.dtype
-        self.embed_tokens = embed
         self.norm = weights["model.norm.weight"]
-        self.lm_head = Projection(weights.get("lm_head.weight", embed))
-        self.layers = [_fuse_layer(weights, i, config) for i in range(config.num_layers)]
+        self.device, self.dtype = self.norm.device, self.norm.dtype
+        self.native = native
+        if not native and any(isinstance(w, QuantizedWeight) for w in weights.values()):
+            raise ValueError("weights: quantized weights run only on the CPU kernels (native)")
+        self.embed_tokens = embed
+        self.lm_head = Projection(weights.get("lm_head.weight", embed), int8=int8)
+        self.layers = [_fuse_layer(weights, i, config, int8) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(
             config.head_dim,
             config.rope_theta,
@@ -103,24 +137,41 @@ class LlamaModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, H] after the final norm, for every token of the batch."""
-        hidden = F.embedding(token_ids, self.embed_tokens)
-        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
-            attn_in = self._rms_norm(hidden, layer.input_norm)
-            hidden = hidden + self._attention(
-                attn_in, positions, layer, key_cache, value_cache, meta
-            )
-            mlp_in = self._rms_norm(hidden, layer.post_norm)
-            hidden = hidden + self._mlp(mlp_in, layer)
-        return self._rms_norm(hidden, self.norm)
+        hidden = self._embed(token_ids)  # the residual stream, updated in place
+        x = self._rms_norm(hidden, self.layers[0].input_norm)
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm, (key_cache, value_cache) in zip(
+            self.layers, norms, kv_caches, strict=True
+        ):
+            # The CPU kernels' arguments are checked at the first layer; the other layers
+            # see tensors of the same shapes, made by the kernels themselves.
+            check = layer is self.layers[0]
+            attn = self._attention(x, positions, layer, key_cache, value_cache, meta, check)
+            x = self._add_norm(attn, hidden, layer.post_norm, check)
+            x = self._add_norm(self._mlp(x, layer, check), hidden, next_norm, check)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] for the given rows of hidden states."""
         return self.lm_head(hidden).float()
 
-    def _attention(self, x, positions, layer: LayerWeights, key_cache, value_cache, meta):
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed_tokens, QuantizedWeight):
+            return cpu.dequantize_rows(self.embed_tokens, token_ids)
+        return F.embedding(token_ids, self.embed_tokens)
+
+    def _attention(self, x, positions, layer, key_cache, value_cache, meta, check=True):
         cfg = self.config
-        qkv = layer.qkv(x)
+        qkv = layer.qkv(x, check)
+        if self.native:
+            rope = self.rope
+            q = cpu.rope_and_cache(
+                qkv, positions, rope.cos, rope.sin, key_cache, value_cache,
+                meta.slot_mapping, cfg.num_heads, check,
+            )  # fmt: skip
+            out = cpu.paged_attention(q, key_cache, value_cache, meta, self.scale, check)
+            return layer.o_proj(out.view(-1, cfg.q_size), check)
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
         q = self.rope(q.view(-1, cfg.num_heads, cfg.head_dim), positions)
         k = self.rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)
@@ -130,21 +181,33 @@ class LlamaModel:
         out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale)
         return layer.o_proj(out.reshape(-1, cfg.q_size))
 
-    def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights, check: bool = True) -> torch.Tensor:
+        gate_up = layer.gate_up(x, check)
+        if self.native:
+            return layer.down(cpu.silu_mul(gate_up, check), check)
+        gate, up = gate_up.chunk(2, dim=-1)
         return layer.down(F.silu(gate) * up)
 
+    def _add_norm(self, x, hidden: torch.Tensor, weight: torch.Tensor, check: bool = True):
+        """hidden += x (the residual), then the next sublayer's RMSNorm of it."""
+        if self.native:
+            return cpu.add_rms_norm(x, hidden, weight, self.config.rms_norm_eps, check)
+        hidden.add_(x)
+        return self._rms_norm(hidden, weight)
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return cpu.rms_norm(x, weight, self.config.rms_norm_eps)
         # Same op order as HF's LlamaRMSNorm, in fp32, so fp32 parity is exact-ish.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)
 
 
-def _fuse_layer(weights: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> LayerWeights:
+def _fuse_layer(weights: dict, i: int, cfg: ModelConfig, int8: bool) -> LayerWeights:
     p = f"model.layers.{i}."
 
-    def w(name: str) -> torch.Tensor:
+    def w(name: str):
         if p + name not in weights:
             raise ValueError(f"weights: missing tensor {p + name}")
         return weights.pop(p + name)
@@ -154,9 +217,9 @@ def _fuse_layer(weights: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> L
         qkv_bias = torch.cat([w(f"self_attn.{n}_proj.bias") for n in "qkv"])
     return LayerWeights(
         input_norm=w("input_layernorm.weight"),
-        qkv=Projection(torch.cat([w(f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias),
-        o_proj=Projection(w("self_attn.o_proj.weight")),
+        qkv=Projection(fuse([w(f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias, int8),
+        o_proj=Projection(w("self_attn.o_proj.weight"), int8=int8),
         post_norm=w("post_attention_layernorm.weight"),
-        gate_up=Projection(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])),
-        down=Projection(w("mlp.down_proj.weight")),
+        gate_up=Projection(fuse([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), int8=int8),
+        down=Projection(w("mlp.down_proj.weight"), int8=int8),
     )

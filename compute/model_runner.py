@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from compute.core.config import CacheConfig, ModelConfig
+from compute.core.config import (
+    CPU_KV_TOKENS_PER_SEQ,
+    GPU_KV_MEMORY_GIB,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+)
 from compute.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from compute.core.sequence import Sequence
 from compute.fault_injection import FaultInjector
@@ -32,6 +38,20 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 def blocks_for_memory(cfg: ModelConfig, cache: CacheConfig, gib: float, dtype) -> int:
     return int(gib * GIB) // kv_bytes_per_block(cfg, cache.block_size, dtype)
+
+
+def default_num_blocks(
+    config: EngineConfig, model: ModelConfig, device: torch.device, dtype, max_model_len: int
+) -> int:
+    """KV blocks when --num-blocks is unset: --kv-cache-memory-gib when given, else 2 GiB on a
+    GPU and, on the CPU, max_num_seqs * CPU_KV_TOKENS_PER_SEQ tokens (>= one max_model_len)."""
+    cache = config.cache
+    if cache.memory_gib is not None:
+        return blocks_for_memory(model, cache, cache.memory_gib, dtype)
+    if device.type != "cpu":
+        return blocks_for_memory(model, cache, GPU_KV_MEMORY_GIB, dtype)
+    tokens = max(config.scheduler.max_num_seqs * CPU_KV_TOKENS_PER_SEQ, max_model_len)
+    return -(-tokens // cache.block_size)
 
 
 @dataclass

@@ -14,7 +14,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from compute.core.config import (
+    WEIGHT_MODES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from services.input_limits import InputLimits
 from services.log import FORMATS, LEVELS, LogConfig
 from services.pipeline import PipelineConfig
@@ -44,6 +50,10 @@ class Flag:
 
 def _optional_int(text: str) -> int | None:
     return None if text.lower() in ("", "none", "auto") else int(text)
+
+
+def _optional_float(text: str) -> float | None:
+    return None if text.lower() in ("", "none", "auto") else float(text)
 
 
 def _bool(text: str) -> bool:
@@ -83,9 +93,18 @@ FLAGS: tuple[Flag, ...] = (
          choices=("auto", "float32", "float16", "bfloat16")),
     Flag("--threads", "device.num_threads", "torch CPU threads (none = torch's)", _optional_int),
     Flag("--cuda-graphs", "device.cuda_graphs", "CUDA graphs for decode (no effect yet)", _bool),
+    Flag("--cpu-kernels", "device.cpu_kernels",
+         "CPU steps on the compiled kernels (native, fp32) or torch; auto = native if they build",
+         choices=("auto", "native", "torch")),
+    Flag("--weights", "device.weights",
+         "GGUF weights: dense (dequantized at load), quantized (kept in blocks, fp32 math), "
+         "quantized-int8 (blocks and int8 activations, llama.cpp's numerics); auto = "
+         "quantized-int8 on the CPU kernels", choices=WEIGHT_MODES),
     Flag("--block-size", "cache.block_size", "tokens per KV block (power of two)", int),
     Flag("--num-blocks", "cache.num_blocks", "KV blocks (none = from memory)", _optional_int),
-    Flag("--kv-cache-memory-gib", "cache.memory_gib", "KV memory if --num-blocks unset", float),
+    Flag("--kv-cache-memory-gib", "cache.memory_gib",
+         "KV memory if --num-blocks unset (auto: GPU 2 GiB; CPU 256 tokens per --max-num-seqs)",
+         _optional_float),
     Flag("--prefix-caching", "cache.enable_prefix_caching", "share KV of common prefixes", _bool),
     Flag("--swap-space-gib", "cache.swap_space_gib", "host memory for swapped KV blocks", float),
     Flag("--max-num-seqs", "scheduler.max_num_seqs", "most sequences running in one step", int),
@@ -102,8 +121,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--log-format", "log.format", "json, console or auto (console on a TTY)", choices=FORMATS),
 )  # fmt: skip
 # The subset that `generate --offline` uses to build its in-process engine.
-OFFLINE_FLAGS = ("--model", "--device", "--dtype", "--threads", "--num-blocks",
-                 "--kv-cache-memory-gib", "--max-model-len")  # fmt: skip
+OFFLINE_FLAGS = ("--model", "--device", "--dtype", "--threads", "--cpu-kernels", "--weights",
+                 "--num-blocks", "--kv-cache-memory-gib", "--max-model-len")  # fmt: skip
 
 
 def sections() -> dict[str, type]:

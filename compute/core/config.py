@@ -58,13 +58,22 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+# The default CPU KV cache holds this many tokens per running sequence: the short chats a
+# CPU serves fit, a longer one preempts others (memory is touched at start, so RSS is what
+# the cache really costs; --kv-cache-memory-gib or --num-blocks give more).
+CPU_KV_TOKENS_PER_SEQ = 256
+GPU_KV_MEMORY_GIB = 2.0
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache."""
 
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # explicit block count; None = derive from memory
-    memory_gib: float = 2.0  # KV memory budget when num_blocks is None
+    # KV memory budget when num_blocks is None; None = 2 GiB on a GPU, and on the CPU room
+    # for max_num_seqs sequences of CPU_KV_TOKENS_PER_SEQ tokens (at least one full-length).
+    memory_gib: float | None = None
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes
     swap_space_gib: float = 1.0  # host memory for swapped-out blocks (preemption_mode=swap)
 
@@ -73,7 +82,7 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.memory_gib <= 0:
+        if self.memory_gib is not None and self.memory_gib <= 0:
             raise ValueError(f"memory_gib must be positive, got {self.memory_gib}")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
@@ -111,6 +120,9 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+WEIGHT_MODES = ("auto", "dense", "quantized", "quantized-int8")
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     """Where and in what precision the model runs."""
@@ -119,8 +131,23 @@ class DeviceConfig:
     dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on GPU), "float32", "float16", "bfloat16"
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     cuda_graphs: bool = False  # reserved for CUDA-graph decode steps: no effect yet
+    # CPU steps on the compiled CPU kernels ("native", fp32 only) or torch ("torch");
+    # "auto" = native when they build on this machine and the dtype is fp32.
+    cpu_kernels: str = "auto"
+    # "dense" dequantizes a GGUF model to --dtype at load (the reference numerics);
+    # "quantized" keeps its Q4_0/Q4_1/Q8_0 matrices in their blocks (CPU kernels, ~5x less
+    # memory, weights bit-identical, fp32 math); "quantized-int8" also quantizes activations
+    # to int8 per 32 values, as llama.cpp does (fastest, approximate); "auto" =
+    # quantized-int8 when the CPU kernels run, dense otherwise.
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cpu_kernels not in ("auto", "native", "torch"):
+            raise ValueError(f"cpu_kernels must be auto, native or torch, got {self.cpu_kernels!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(
+                f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}"
+            )
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"

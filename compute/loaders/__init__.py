@@ -22,8 +22,12 @@ def load_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
     progress: bool = True,
+    quantized: bool = False,
 ) -> LoadedModel:
-    """Load `source`: "default", a `.gguf` file, an HF directory, or `dummy:<shape>`."""
+    """Load `source`: "default", a `.gguf` file, an HF directory, or `dummy:<shape>`.
+
+    ``quantized``: keep a GGUF file's Q4_0/Q4_1/Q8_0 matrices in their blocks (for the CPU
+    kernels); other sources and formats load dense either way."""
     # Format loaders are imported when used: only GGUF users pay for gguf, and so on.
     if source.startswith(DUMMY_PREFIX):
         from compute.loaders.dummy import load_dummy
@@ -44,7 +48,7 @@ def load_model(
     if path.is_file():
         from compute.loaders.gguf import load_gguf
 
-        return load_gguf(path, dtype=dtype, device=device, progress=progress)
+        return load_gguf(path, dtype=dtype, device=device, progress=progress, quantized=quantized)
     raise ModelLoadError(
         f"{source}: no such file or directory (expected 'default', a .gguf file, "
         f"a Hugging Face checkpoint directory, or '{DUMMY_PREFIX}<shape>')"

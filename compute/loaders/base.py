@@ -13,6 +13,7 @@ import torch
 
 from compute.core.config import ModelConfig
 from compute.tokenizer import Tokenizer
+from kernels.quant import QuantizedWeight
 
 DUMMY_PREFIX = "dummy:"
 # Loading these runs arbitrary code (pickle), so they are refused outright.
@@ -28,7 +29,8 @@ class LoadedModel:
     """What a loader hands the model runner."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF Llama names; lm_head.weight absent when tied
+    # HF Llama names; lm_head.weight absent when tied; GGUF blocks when loaded quantized.
+    weights: dict[str, torch.Tensor | QuantizedWeight]
     tokenizer: Tokenizer | None  # None for dummy weights
     source: str  # resolved path, or "dummy:<shape>"
 
@@ -64,7 +66,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
+def check_weights(weights: dict, config: ModelConfig, source: str) -> None:
     """Raise ModelLoadError unless `weights` holds exactly the expected tensors and shapes."""
     expected = expected_shapes(config)
     missing = sorted(set(expected) - set(weights))

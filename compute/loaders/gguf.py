@@ -1,8 +1,10 @@
 """GGUF loader: llama.cpp model files (the embedded default model is one) to HF-named weights.
 
-Metadata gives the ModelConfig and the tokenizer; each tensor is dequantized on its own with
-`gguf.quants.dequantize` (vectorised numpy, any quantization the package supports), renamed from
-llama.cpp's names to HF Llama names and cast to the requested dtype and device.
+Metadata gives the ModelConfig and the tokenizer; each tensor is renamed from llama.cpp's names
+to HF Llama names and either dequantized with `gguf.quants.dequantize` (vectorised numpy, any
+quantization the package supports) and cast to the requested dtype and device, or, when asked
+(``quantized=True``) and its format is one the CPU kernels read (Q4_0, Q4_1, Q8_0), kept in
+its blocks as a kernels.quant.QuantizedWeight.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from compute.core.config import ModelConfig
 from compute.loaders.base import LoadedModel, ModelLoadError, check_weights
 from compute.log import get_logger
 from compute.tokenizer import Tokenizer, gguf_field
+from kernels.quant import QuantizedWeight
 
 log = get_logger(__name__)
 
@@ -46,12 +49,23 @@ _BLOCK_NAMES = {
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ RoPE scaling factors; the model has no RoPE scaling, so they are skipped (warned).
 _IGNORED_TENSORS = ("rope_freqs.weight",)
+# GGUF block formats the CPU kernels compute with directly (kernels/quant.py).
+_KEPT_FORMATS = {
+    gguf.GGMLQuantizationType.Q4_0: "q4_0",
+    gguf.GGMLQuantizationType.Q4_1: "q4_1",
+    gguf.GGMLQuantizationType.Q8_0: "q8_0",
+}
 
 
 def load_gguf(
-    path: Path, dtype: torch.dtype, device: str | torch.device, progress: bool = True
+    path: Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    progress: bool = True,
+    quantized: bool = False,
 ) -> LoadedModel:
-    """Read a GGUF file: config and tokenizer from its metadata, weights dequantized."""
+    """Read a GGUF file: config and tokenizer from its metadata; weights dequantized, or
+    (``quantized``) matrices of the formats in _KEPT_FORMATS kept in their blocks."""
     reader = _open(path)
     arch = _architecture(reader, path)
     try:
@@ -59,7 +73,7 @@ def load_gguf(
     except Exception as err:  # tokenizers reports bad vocabularies as plain Exception
         raise ModelLoadError(f"{path}: cannot build the tokenizer: {err}") from err
     config = _config(reader, path, arch, tokenizer)
-    weights = _read_weights(reader, config, path, dtype, device, progress)
+    weights = _read_weights(reader, config, path, dtype, device, progress, quantized)
     check_weights(weights, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
 
@@ -137,13 +151,15 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
 
 
-def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute(weight: torch.Tensor | QuantizedWeight, num_heads: int):
     """Undo convert_hf_to_gguf's `permute`, which regroups each head's rows from HF's
     rotate_half order (first half, second half) into llama.cpp's interleaved pairs."""
-    head_dim = weight.shape[0] // num_heads
-    rest = weight.shape[1:]
-    grouped = weight.reshape(num_heads, head_dim // 2, 2, *rest)
-    return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
+    rows = weight.shape[0]
+    order = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2)
+    order = order.reshape(-1)
+    if isinstance(weight, QuantizedWeight):
+        return weight.take_rows(order)  # whole rows of blocks move, codes untouched
+    return weight[order].contiguous()
 
 
 def _dequantize(tensor: Any, path: Path) -> np.ndarray:
@@ -160,6 +176,12 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
     return array if array.flags.writeable else array.copy()
 
 
+def _kept(tensor: Any) -> QuantizedWeight:
+    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # ggml lists dims innermost first
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(rows, -1)
+    return QuantizedWeight.from_gguf(_KEPT_FORMATS[tensor.tensor_type], blocks, cols)
+
+
 def _read_weights(
     reader: gguf.GGUFReader,
     config: ModelConfig,
@@ -167,9 +189,10 @@ def _read_weights(
     dtype: torch.dtype,
     device: str | torch.device,
     progress: bool,
-) -> dict[str, torch.Tensor]:
+    quantized: bool,
+) -> dict[str, torch.Tensor | QuantizedWeight]:
     permuted = config.architecture in _PERMUTED_ARCHITECTURES
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     bar = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress)
     for tensor in bar:
         name = _hf_name(tensor.name)
@@ -182,10 +205,11 @@ def _read_weights(
                 )
                 continue
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name}")
-        weight = torch.from_numpy(_dequantize(tensor, path))
+        keep = quantized and tensor.tensor_type in _KEPT_FORMATS and len(tensor.shape) == 2
+        weight = _kept(tensor) if keep else torch.from_numpy(_dequantize(tensor, path))
         if permuted and ".q_proj." in name:
             weight = _unpermute(weight, config.num_heads)
         elif permuted and ".k_proj." in name:
             weight = _unpermute(weight, config.num_kv_heads)
-        weights[name] = weight.to(device=device, dtype=dtype)
+        weights[name] = weight if keep else weight.to(device=device, dtype=dtype)
     return weights
