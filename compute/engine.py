@@ -83,7 +83,9 @@ class Engine:
         model = LlamaModel(
             loaded.config, loaded.weights, native=native, int8=weights == "quantized-int8"
         )
-        log.info("model ready", cpu_kernels=native, weights=weights)
+        # What took effect: a source without GGUF blocks (HF, dummy) loads dense anyway.
+        self.weights = weights if model.quantized else "dense"
+        log.info("model ready", cpu_kernels=native, weights=self.weights)
         loaded.weights.clear()  # the model holds its own (fused) copies now
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or default_num_blocks(

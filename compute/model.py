@@ -114,7 +114,8 @@ class LlamaModel:
         self.norm = weights["model.norm.weight"]
         self.device, self.dtype = self.norm.device, self.norm.dtype
         self.native = native
-        if not native and any(isinstance(w, QuantizedWeight) for w in weights.values()):
+        self.quantized = any(isinstance(w, QuantizedWeight) for w in weights.values())
+        if self.quantized and not native:
             raise ValueError("weights: quantized weights run only on the CPU kernels (native)")
         self.embed_tokens = embed
         self.lm_head = Projection(weights.get("lm_head.weight", embed), int8=int8)

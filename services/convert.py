@@ -206,4 +206,5 @@ def model_info_to_pb(info: ModelInfo) -> pb.GetModelInfoResponse:
         device=info.device,
         block_size=info.block_size,
         kv_cache_capacity_tokens=info.kv_cache_capacity_tokens,
+        weights=info.weights,
     )

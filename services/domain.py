@@ -74,6 +74,7 @@ class ModelInfo:
     device: str
     block_size: int
     kv_cache_capacity_tokens: int
+    weights: str = "dense"  # --weights as it took effect: dense, quantized, quantized-int8
 
 
 class RequestError(Exception):

@@ -196,6 +196,7 @@ class Pipeline:
             device=str(engine.device),
             block_size=engine.block_size,
             kv_cache_capacity_tokens=engine.request_limits.kv_capacity_tokens,
+            weights=engine.weights,
         )
 
     def engine_stats(self) -> EngineStats:

@@ -76,6 +76,7 @@ class FakeEngine:
         self.request_limits = RequestLimits(max_model_len, self.num_blocks, self.block_size, vocab)
         self.device = torch.device("cpu")
         self.dtype = torch.float32
+        self.weights = "dense"
         self.max_num_seqs = max_num_seqs
         self.step_delay = step_delay
         self.poison_token = poison_token  # a running prompt holding it makes step() raise

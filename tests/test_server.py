@@ -443,6 +443,15 @@ def test_greedy_over_grpc_equals_the_offline_engine(real: RunningServer) -> None
 
 
 @pytest.mark.slow
+def test_model_info_says_how_the_weights_are_held(real: RunningServer) -> None:
+    from kernels import cpu
+
+    info = real.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT)
+    assert info.weights == ("quantized-int8" if cpu.available() else "dense")
+    assert info.dtype == "float32" and info.device == "cpu"
+
+
+@pytest.mark.slow
 def test_real_model_answers_a_chat(real: RunningServer) -> None:
     chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="What is the capital of France?")])
     request = pb.GenerateRequest(
