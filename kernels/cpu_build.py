@@ -3,7 +3,9 @@
 The sources are plain C++ (no torch headers), compiled with the system's g++ in a few
 seconds. One library per instruction-set level, chosen from what this CPU reports:
 
-- ``avx512``: ``-march=x86-64-v4`` (AVX-512 F/BW/DQ/VL), the fast path;
+- ``avx512vnni``: ``-march=x86-64-v4 -mavx512vnni``, the fast path (AVX-512 with VNNI's
+  int8 dot product: Ice Lake, Sapphire Rapids, Zen 4 and later);
+- ``avx512``: ``-march=x86-64-v4`` (AVX-512 F/BW/DQ/VL);
 - ``avx2``: ``-march=x86-64-v3`` (AVX2, FMA, F16C), everything else from the last decade.
 
 Libraries are cached under ``HEADRACE_KERNEL_DIR`` (default ``~/.cache/headrace/kernels``),
@@ -41,10 +43,13 @@ COMMON_FLAGS = (
     "-Wno-psabi",
 )
 # ISA level -> (compiler flags, /proc/cpuinfo flags the CPU must report), best first.
+_AVX512 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c")
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # VNNI: one vpdpbusd per 32 int8 products instead of maddubs + madd (int8 activations).
+    "avx512vnni": (("-march=x86-64-v4", "-mavx512vnni"), (*_AVX512, "avx512_vnni")),
     "avx512": (
         ("-march=x86-64-v4",),
-        ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c"),
+        _AVX512,
     ),
     "avx2": (("-march=x86-64-v3",), ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")),
 }

@@ -11,8 +11,6 @@
 // Per (weight row, input row) the dot products of 8 blocks are reduced to one vector of 8
 // block sums, converted and scaled together; the same code runs for any number of input
 // rows, so a row's result does not depend on the rows batched beside it.
-#include <omp.h>
-
 #include <algorithm>
 #include <vector>
 
@@ -79,6 +77,13 @@ inline __m256i reduce8(const __m256i (&p)[kBlocks]) {
                           _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
 inline __m256i nibbles32(const uint8_t* p) {
   // [low nibbles | high nibbles] = weights 0-15 then 16-31 of the block.
   const __m256i both =
@@ -89,14 +94,16 @@ inline __m256i nibbles32(const uint8_t* p) {
 
 struct Q4 {  // Q4_0 and Q4_1: 16 bytes of nibbles per block, unsigned codes
   static constexpr int64_t kCodeBytes = 16;
-  static inline __m256i codes(const uint8_t* row, int64_t b) { return nibbles32(row + b * 16); }
+  static constexpr bool kHasMin = true;
+  static inline __m256i codes(const uint8_t* p, int64_t b) { return nibbles32(p + b * 16); }
   static inline __m256i dot(__m256i q, __m256i xq) { return dot_u8s8(q, xq); }
 };
 
 struct Q8 {  // Q8_0: 32 signed codes per block
   static constexpr int64_t kCodeBytes = 32;
-  static inline __m256i codes(const uint8_t* row, int64_t b) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+  static constexpr bool kHasMin = false;
+  static inline __m256i codes(const uint8_t* p, int64_t b) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * 32));
   }
   static inline __m256i dot(__m256i q, __m256i xq) {
     // s8 x s8 as |q| x (xq * sign(q)).
@@ -104,64 +111,77 @@ struct Q8 {  // Q8_0: 32 signed codes per block
   }
 };
 
-// One weight row against NR input rows; d, m: the row's scales as floats, padded with zeros.
+// 8 blocks of one weight row against NR input rows (blocks b0..b0+7 of xr): codes at
+// `codes`, fp16 scales d (and mins m, Q4_1) at `dh` / `mh`, 8 of each.
 template <class C, int NR>
-void row_dot(const uint8_t* row, const float* d, const float* m, const QuantizedRows& xr,
-             int64_t j0, int64_t nb, float* out, int64_t ldo, int64_t r, float bias) {
-  __m256 acc[NR], acc_m[NR];
-  for (int j = 0; j < NR; ++j) acc[j] = acc_m[j] = _mm256_setzero_ps();
-  for (int64_t b0 = 0; b0 < xr.nbp; b0 += kBlocks) {
-    _mm_prefetch(reinterpret_cast<const char*>(row) + (b0 + kAhead) * C::kCodeBytes, _MM_HINT_T0);
-    __m256i q[kBlocks];
-    for (int i = 0; i < kBlocks; ++i)
-      q[i] = b0 + i < nb ? C::codes(row, b0 + i) : _mm256_setzero_si256();
-    const __m256 dv = _mm256_loadu_ps(d + b0), mv = _mm256_loadu_ps(m + b0);
-    for (int j = 0; j < NR; ++j) {
-      const int8_t* xq = xr.q.data() + (j0 + j) * xr.nbp * 32 + b0 * 32;
-      __m256i p[kBlocks];
-      for (int i = 0; i < kBlocks; ++i)
-        p[i] = C::dot(q[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32)));
-      const float* dx = xr.dx.data() + (j0 + j) * xr.nbp + b0;
-      const float* dxs = xr.dxs.data() + (j0 + j) * xr.nbp + b0;
-      const __m256 sums = _mm256_cvtepi32_ps(reduce8(p));
-      acc[j] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dv, _mm256_loadu_ps(dx)), acc[j]);
-      acc_m[j] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(dxs), acc_m[j]);
-    }
-  }
+inline void chunk(const uint8_t* codes, const uint8_t* dh, const uint8_t* mh, bool q4_0,
+                  const QuantizedRows& xr, int64_t j0, int64_t b0, __m256 (&acc)[NR],
+                  __m256 (&acc_m)[NR]) {
+  __m256i q[kBlocks];
+  for (int i = 0; i < kBlocks; ++i) q[i] = C::codes(codes, i);
+  const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh)));
+  __m256 mv = _mm256_setzero_ps();
+  if (mh) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh)));
+  if (q4_0) mv = _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
   for (int j = 0; j < NR; ++j) {
-    __m256 v = _mm256_add_ps(acc[j], acc_m[j]);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    out[(j0 + j) * ldo + r] = _mm_cvtss_f32(s) + bias;
+    const int8_t* xq = xr.q.data() + (j0 + j) * xr.nbp * 32 + b0 * 32;
+    __m256i p[kBlocks];
+    for (int i = 0; i < kBlocks; ++i)
+      p[i] = C::dot(q[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32)));
+    const int64_t at = (j0 + j) * xr.nbp + b0;
+    const __m256 sums = _mm256_cvtepi32_ps(reduce8(p));
+    acc[j] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dv, _mm256_loadu_ps(xr.dx.data() + at)), acc[j]);
+    if (C::kHasMin) acc_m[j] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xr.dxs.data() + at), acc_m[j]);
   }
 }
 
-// Row scales of the packed formats, as floats padded to nbp with zeros.
-void row_scales(int64_t format, const uint8_t* row, int64_t nb, int64_t code_bytes, float* d,
-                float* m) {
-  halves_to_float(row + nb * code_bytes, nb, d);
-  for (int64_t b = 0; b < nb; ++b) m[b] = format == 0 ? -8.0f * d[b] : 0.0f;  // Q4_0, Q8_0
-  if (format == 1) halves_to_float(row + nb * 18, nb, m);                     // Q4_1
+// One weight row (packed as quant_linear.cpp describes) against NR input rows.
+template <class C, int NR>
+void row_dot(const uint8_t* row, int64_t nb, int64_t format, const QuantizedRows& xr,
+             int64_t j0, float* out, int64_t ldo, int64_t r, float bias) {
+  const uint8_t* dh = row + nb * C::kCodeBytes;
+  const uint8_t* mh = format == 1 ? dh + 2 * nb : nullptr;
+  const bool q4_0 = format == 0;
+  __m256 acc[NR], acc_m[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = acc_m[j] = _mm256_setzero_ps();
+  int64_t b0 = 0;
+  for (; b0 + kBlocks <= nb; b0 += kBlocks) {
+    _mm_prefetch(reinterpret_cast<const char*>(row) + (b0 + kAhead) * C::kCodeBytes, _MM_HINT_T0);
+    chunk<C, NR>(row + b0 * C::kCodeBytes, dh + 2 * b0, mh ? mh + 2 * b0 : nullptr, q4_0, xr, j0,
+                 b0, acc, acc_m);
+  }
+  float tail[NR] = {};
+  for (; b0 < nb; ++b0) {  // the last nb % 8 blocks, one at a time
+    const __m256i q = C::codes(row, b0);
+    const float d = half_to_float(dh + 2 * b0);
+    const float mn = mh ? half_to_float(mh + 2 * b0) : (q4_0 ? -8.0f * d : 0.0f);
+    for (int j = 0; j < NR; ++j) {
+      const int8_t* xq = xr.q.data() + (j0 + j) * xr.nbp * 32 + b0 * 32;
+      const __m256i p = C::dot(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+      const int64_t at = (j0 + j) * xr.nbp + b0;
+      tail[j] += static_cast<float>(hsum_i32(p)) * (d * xr.dx[at]) + mn * xr.dxs[at];
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const __m256 v = _mm256_add_ps(acc[j], acc_m[j]);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    out[(j0 + j) * ldo + r] = _mm_cvtss_f32(s) + tail[j] + bias;
+  }
 }
 
 template <class C>
 void linear(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const uint8_t* w,
             int64_t m, float* out, const float* bias, int64_t row_bytes) {
   const int64_t nb = k / 32;
-#pragma omp parallel
-  {
-    std::vector<float> d(xr.nbp, 0.0f), mins(xr.nbp, 0.0f);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; ++r) {
-      const uint8_t* row = w + r * row_bytes;
-      row_scales(format, row, nb, C::kCodeBytes, d.data(), mins.data());
-      const float add = bias ? bias[r] : 0.0f;
-      int64_t j = 0;
-      for (; j + kRows <= n; j += kRows)
-        row_dot<C, kRows>(row, d.data(), mins.data(), xr, j, nb, out, m, r, add);
-      for (; j < n; ++j) row_dot<C, 1>(row, d.data(), mins.data(), xr, j, nb, out, m, r, add);
-    }
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < m; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    const float add = bias ? bias[r] : 0.0f;
+    int64_t j = 0;
+    for (; j + kRows <= n; j += kRows) row_dot<C, kRows>(row, nb, format, xr, j, out, m, r, add);
+    for (; j < n; ++j) row_dot<C, 1>(row, nb, format, xr, j, out, m, r, add);
   }
 }
 
