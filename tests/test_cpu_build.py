@@ -1,0 +1,71 @@
+"""Building and choosing the CPU kernels, and what the engine does when they cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compute.core.config import DeviceConfig
+from compute.engine import cpu_execution
+from kernels import cpu, cpu_build
+
+CPU = torch.device("cpu")
+V4 = set(cpu_build.ISA_LEVELS["avx512"][1])
+
+
+def test_best_isa_follows_the_cpu_flags():
+    assert cpu_build.best_isa(V4 | {"avx512_vnni"}) == "avx512vnni"
+    assert cpu_build.best_isa(V4) == "avx512"
+    assert cpu_build.best_isa({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}) == "avx2"
+    assert cpu_build.best_isa({"sse4_2", "avx"}) is None
+
+
+def test_library_path_names_the_isa_and_the_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADRACE_KERNEL_DIR", str(tmp_path))
+    paths = {isa: cpu_build.library_path(isa) for isa in cpu_build.ISA_LEVELS}
+    assert all(p.parent == tmp_path and f"-{isa}-" in p.name for isa, p in paths.items())
+    assert len(set(paths.values())) == len(paths)
+
+
+def test_a_missing_compiler_is_a_build_error_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADRACE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
+    with pytest.raises(cpu_build.BuildError, match="no C\\+\\+ compiler"):
+        cpu_build.build("avx2")
+    with pytest.raises(cpu_build.BuildError, match="compiling the CPU kernels failed"):
+        cpu_build.build("avx2", compiler="false")
+    assert not list(tmp_path.glob("*.so")), "a failed build leaves no library behind"
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """The kernels as on a CPU without AVX2: library() raises, available() is False."""
+    cpu.library.cache_clear()
+    monkeypatch.setattr(cpu_build, "best_isa", lambda flags=None: None)
+    yield
+    cpu.library.cache_clear()
+
+
+def test_without_kernels_the_engine_runs_dense_on_torch(no_kernels):
+    assert not cpu.available()
+    assert cpu_execution(DeviceConfig(), CPU, torch.float32) == (False, "dense")
+    with pytest.raises(ValueError, match="cpu_kernels: the CPU kernels cannot be built"):
+        cpu_execution(DeviceConfig(cpu_kernels="native"), CPU, torch.float32)
+
+
+def test_weights_modes_need_what_they_run_on():
+    if not cpu.available():
+        pytest.skip("CPU kernels cannot be built here")
+    assert cpu_execution(DeviceConfig(), CPU, torch.float32) == (True, "quantized-int8")
+    assert cpu_execution(DeviceConfig(weights="quantized"), CPU, torch.float32) == (
+        True,
+        "quantized",
+    )
+    # bf16 on the CPU, or torch asked for: dense weights, torch ops.
+    assert cpu_execution(DeviceConfig(), CPU, torch.bfloat16) == (False, "dense")
+    assert cpu_execution(DeviceConfig(cpu_kernels="torch"), CPU, torch.float32) == (False, "dense")
+    with pytest.raises(ValueError, match="weights: quantized weights need the CPU kernels"):
+        cpu_execution(DeviceConfig(cpu_kernels="torch", weights="quantized"), CPU, torch.float32)
+    with pytest.raises(ValueError, match="float32 only"):
+        cpu_execution(DeviceConfig(cpu_kernels="native"), CPU, torch.bfloat16)
