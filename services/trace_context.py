@@ -75,7 +75,15 @@ class RequestTracer(Protocol):
         ...
 
 
-class _Untraced:
+class _Untraced(contextlib.AbstractContextManager):
+    """The scope of an untraced request, itself its trace: one shared, stateless object."""
+
+    def __enter__(self) -> _Untraced:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
     def watch(self, events: AsyncIterator) -> AsyncIterator:
         return events
 
@@ -86,13 +94,16 @@ UNTRACED = _Untraced()
 class LogTracer:
     """Tracing off: the caller's trace context goes to the logs only."""
 
-    @contextlib.contextmanager
-    def request(self, request_id: str, metadata: Iterable | None) -> Iterator[RequestTrace]:
+    def request(
+        self, request_id: str, metadata: Iterable | None
+    ) -> contextlib.AbstractContextManager[RequestTrace]:
         parent = traceparent_of(metadata)
-        if parent is None:
-            yield UNTRACED
-            return
-        with structlog.contextvars.bound_contextvars(
-            trace_id=parent.trace_id, parent_span_id=parent.parent_id
-        ):
-            yield UNTRACED
+        return UNTRACED if parent is None else _logged(parent)
+
+
+@contextlib.contextmanager
+def _logged(parent: TraceParent) -> Iterator[RequestTrace]:
+    with structlog.contextvars.bound_contextvars(
+        trace_id=parent.trace_id, parent_span_id=parent.parent_id
+    ):
+        yield UNTRACED

@@ -100,8 +100,10 @@ class SpanTracer:
         ids = span.get_span_context()
         request = SpanTrace(self._tracer, span)
         with (
-            trace.use_span(span, end_on_exit=False, record_exception=False),
-            _bound_ids(format(ids.trace_id, "032x"), format(ids.span_id, "016x")),
+            trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ),
+            _bound_ids(ids) if ids.is_valid else contextlib.nullcontext(),  # OTEL_SDK_DISABLED
         ):
             try:
                 yield request
@@ -187,6 +189,7 @@ def _wall_clock() -> Callable[[float], int]:
 
 
 @contextlib.contextmanager
-def _bound_ids(trace_id: str, span_id: str) -> Iterator[None]:
+def _bound_ids(ids: trace.SpanContext) -> Iterator[None]:
+    trace_id, span_id = format(ids.trace_id, "032x"), format(ids.span_id, "016x")
     with structlog.contextvars.bound_contextvars(trace_id=trace_id, span_id=span_id):
         yield

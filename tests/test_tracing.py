@@ -173,6 +173,23 @@ def test_invalid_argument_is_an_error_on_the_request_span(traced) -> None:
         assert rpc.context.trace_id == failed.context.trace_id == int(TRACE_ID, 16)
 
 
+def test_cancelled_request_span_has_an_event_and_no_phases() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(exporter, batch=False)
+    with running_server(fake_engine(step_delay=0.02), tracing=tracing) as running:
+        call = running.stub().Generate(
+            _request(max_tokens=500, prompt="Hi"), metadata=_trace_metadata(), timeout=TIMEOUT
+        )
+        next(call), next(call)
+        call.cancel()
+        spans = _spans(exporter, 2)
+    tracing.shutdown()
+    assert [s.name for s in spans] == ["generate", GENERATE_RPC]
+    request = spans[0]
+    assert [e.name for e in request.events] == ["cancelled"]
+    assert request.status.status_code is StatusCode.UNSET
+
+
 def test_status_interceptors_still_map_errors_under_the_span(traced) -> None:
     running, exporter = traced
     # Bytes that do not parse: the status interceptor's own check answers, inside the span.
