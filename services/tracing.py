@@ -10,7 +10,7 @@ without it never loads OpenTelemetry. What a traced request produces:
            ├─ queue     tokenized -> first scheduled by the step loop
            ├─ prefill   first scheduled -> first token
            ├─ decode    first token -> last token
-           └─ stream    first response handed to gRPC -> last one
+           └─ stream    first event handed to the servicer -> the last one sent
 
 The phases run on other threads (the tokenize pool, the step loop, the output pool), and
 the step loop must never do per-request work it can skip, so the phase spans are not
@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import Span, Status, StatusCode
 
 from services.domain import Complete, RequestError, Timing
-from services.status import MAPPED_PREFIXES, WORKER_PREFIX
+from services.status import SERVICE_PREFIX, WORKER_PREFIX
 
 DEFAULT_SERVICE_NAME = "headrace"
 # The worker protocol's polls (GetLoads every 10 s, HealthCheck...) would drown the traces;
@@ -53,10 +53,7 @@ except Exception:  # not installed as a distribution (a bare checkout)
 
 def traced_method(details: grpc.HandlerCallDetails) -> bool:
     """Which calls get a span: headrace.v1's and the worker protocol's requests."""
-    method = details.method
-    return method in WORKER_TRACED or (
-        method.startswith(MAPPED_PREFIXES) and not method.startswith(WORKER_PREFIX)
-    )
+    return details.method.startswith(SERVICE_PREFIX) or details.method in WORKER_TRACED
 
 
 class Tracing:
@@ -129,13 +126,13 @@ class SpanTrace:
         self._span = span
         self._first_response: int | None = None  # time.time_ns()
         self._complete: Complete | None = None
-        self._responses = 0
+        self._events = 0  # events handed on: (coalesced) chunks and the final one
 
     async def watch(self, events: AsyncIterator) -> AsyncIterator:
         async for event in events:
             if self._first_response is None:
                 self._first_response = time.time_ns()
-            self._responses += 1
+            self._events += 1
             if isinstance(event, Complete):
                 self._complete = event
             yield event
@@ -168,7 +165,7 @@ class SpanTrace:
         ):
             span = self._tracer.start_span(name, parent, start_time=start)
             if name == "stream":
-                span.set_attribute("headrace.responses", self._responses)
+                span.set_attribute("headrace.stream.events", self._events)
             span.end(max(start, end))
 
 

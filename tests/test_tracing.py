@@ -145,7 +145,7 @@ def test_request_spans_join_the_callers_trace(traced) -> None:
     assert tokenize.end_time == queue.start_time and queue.end_time == prefill.start_time
     assert prefill.end_time == decode.start_time and decode.end_time <= request.end_time
     assert stream.end_time <= request.end_time
-    assert stream.attributes["headrace.responses"] == len(responses)
+    assert stream.attributes["headrace.stream.events"] == len(responses)
 
 
 def test_invalid_argument_is_an_error_on_the_request_span(traced) -> None:
