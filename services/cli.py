@@ -148,7 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     configs = build_configs(args)
     log.configure(configs.log)
-    run(configs.engine, configs.pipeline, configs.server, on_ready=_announce)
+    run(configs.engine, configs.pipeline, configs.server, _announce, configs.tracing)
     return 0
 
 

@@ -25,6 +25,7 @@ from services.input_limits import InputLimits
 from services.log import FORMATS, LEVELS, LogConfig
 from services.pipeline import PipelineConfig
 from services.server_config import ServerConfig
+from services.tracing_config import TracingConfig
 
 ENV_PREFIX = "HEADRACE_"
 
@@ -119,6 +120,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--output-workers", "pipeline.output_workers", "detokenizer threads (stage 3)", int),
     Flag("--log-level", "log.level", "log level", choices=LEVELS),
     Flag("--log-format", "log.format", "json, console or auto (console on a TTY)", choices=FORMATS),
+    Flag("--otlp-endpoint", "tracing.otlp_endpoint",
+         "OpenTelemetry: send spans over OTLP/gRPC to this collector, http://HOST:4317 or "
+         "https://... (empty = off, unless OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT is set; "
+         "needs headrace[tracing])"),
 )  # fmt: skip
 # The subset that `generate --offline` uses to build its in-process engine.
 OFFLINE_FLAGS = ("--model", "--device", "--dtype", "--threads", "--cpu-kernels", "--weights",
@@ -136,6 +141,7 @@ def sections() -> dict[str, type]:
         "scheduler": SchedulerConfig,
         "pipeline": PipelineConfig,
         "log": LogConfig,
+        "tracing": TracingConfig,
     }
 
 
@@ -145,6 +151,7 @@ class Configs:
     pipeline: PipelineConfig
     server: ServerConfig
     log: LogConfig
+    tracing: TracingConfig = TracingConfig()
 
 
 def build_configs(args: argparse.Namespace) -> Configs:
@@ -164,7 +171,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         scheduler=built["scheduler"],
         device=built["device"],
     )
-    return Configs(engine, built["pipeline"], built["server"], built["log"])
+    return Configs(engine, built["pipeline"], built["server"], built["log"], built["tracing"])
 
 
 def _default(flag: Flag, classes: Mapping[str, type]) -> Any:

@@ -53,6 +53,8 @@ class Timing:
     queue_seconds: float  # arrival -> first scheduled
     time_to_first_token_seconds: float
     total_seconds: float
+    tokenize_seconds: float = 0.0  # arrival -> tokenized (stage 1 done, handed to stage 2)
+    arrival: float = 0.0  # time.monotonic() at admission, where the durations start
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ that the output stage delivers.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -88,6 +89,8 @@ class RequestState:
         self._tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer.hf) if tokenizer else NullDetokenizer()
         self.stop = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
+        # Registered right after stage 1, before stage 2 sees it: the end of tokenizing.
+        self.tokenized = time.monotonic()
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -164,5 +167,7 @@ class RequestState:
                 queue_seconds=max(0.0, (self.first_scheduled or now) - self.arrival),
                 time_to_first_token_seconds=first_token - self.arrival,
                 total_seconds=now - self.arrival,
+                tokenize_seconds=self.tokenized - self.arrival,
+                arrival=self.arrival,
             ),
         )

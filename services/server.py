@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from compute.core.config import EngineConfig
     from services.metrics import Metrics
     from services.pipeline import Pipeline, PipelineConfig
+    from services.tracing import Tracing
+    from services.tracing_config import TracingConfig
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 # Calls the drain gate counts and refuses while draining: every generation, never Abort,
@@ -112,9 +114,11 @@ class Server:
         config: ServerConfig | None = None,
         metrics: Metrics | None = None,
         tokenizer_path: str = "",  # what the worker protocol's GetModelInfo reports
+        tracing: Tracing | None = None,  # OpenTelemetry spans; None = off
     ) -> None:
         self.config = config or ServerConfig()
         self.tokenizer_path = tokenizer_path
+        self._tracing = tracing
         self.port = 0  # the bound gRPC port, known after start()
         self.metrics_port: int | None = None  # the bound metrics port, when serving metrics
         self._pipeline = pipeline
@@ -127,15 +131,20 @@ class Server:
 
     async def start(self) -> None:
         """Bind, start answering, report SERVING, and start the metrics endpoint."""
+        # First = outermost: the span of a call sees the status the mapping gives it.
+        interceptors = [StatusInterceptor(), self._gate]
+        tracer = None
+        if self._tracing is not None:
+            interceptors.insert(0, self._tracing.interceptor)
+            tracer = self._tracing.requests
         self._server = grpc.aio.server(
-            interceptors=[StatusInterceptor(), self._gate],  # first = outermost
-            options=[*self.config.grpc_options(), *KEEPALIVE_OPTIONS],
+            interceptors=interceptors, options=[*self.config.grpc_options(), *KEEPALIVE_OPTIONS]
         )
         pb_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self._pipeline, self.config, self._metrics), self._server
+            GenerationServicer(self._pipeline, self.config, self._metrics, tracer), self._server
         )
         worker = WorkerServicer(
-            self._pipeline, self.tokenizer_path, lambda: not self.draining, self._metrics
+            self._pipeline, self.tokenizer_path, lambda: not self.draining, self._metrics, tracer
         )
         worker_grpc.add_VllmEngineServicer_to_server(worker, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -201,9 +210,10 @@ async def serve(
     metrics: Metrics | None = None,
     on_ready: Callable[[Server], None] | None = None,
     tokenizer_path: str = "",
+    tracing: Tracing | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then drain and return."""
-    server = Server(pipeline, config, metrics, tokenizer_path)
+    server = Server(pipeline, config, metrics, tokenizer_path, tracing)
     await server.start()
     signalled = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -226,12 +236,15 @@ def run(
     pipeline_config: PipelineConfig,
     server_config: ServerConfig,
     on_ready: Callable[[Server], None] | None = None,
+    tracing_config: TracingConfig | None = None,
 ) -> None:
     """Load the engine, start the pipeline, serve until a signal, drain, shut down."""
     from compute.engine import Engine
     from services.metrics import Metrics
     from services.pipeline import Pipeline
+    from services.tracing_config import TracingConfig, start_tracing
 
+    tracing = start_tracing(tracing_config or TracingConfig())  # before the slow model load
     metrics = Metrics()
     engine = Engine(engine_config)
     metrics.set_cache_config(engine.block_size, engine.num_blocks)
@@ -239,9 +252,11 @@ def run(
     pipeline = Pipeline(engine, pipeline_config, metrics)
     pipeline.start()
     try:
-        asyncio.run(serve(pipeline, server_config, metrics, on_ready, tokenizer_path))
+        asyncio.run(serve(pipeline, server_config, metrics, on_ready, tokenizer_path, tracing))
     finally:
         pipeline.stop()
+        if tracing is not None:
+            tracing.shutdown()  # exports the spans still buffered
 
 
 def _export_tokenizer(engine, directory: str) -> str:

@@ -19,15 +19,18 @@ import grpc
 
 from compute.log import get_logger
 from services import convert
+from services.convert import MAX_REQUEST_ID_CHARS
 from services.domain import Complete, EngineFault, GenerateInput, InvalidArgument, RequestError
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.input_limits import check_input, check_request_size
 from services.server_config import ServerConfig
+from services.trace_context import LogTracer
 
 if TYPE_CHECKING:  # the servicer only needs the pipeline's interface
     from services.metrics import Metrics
     from services.pipeline import Pipeline
+    from services.trace_context import RequestTrace, RequestTracer
 
 REQUEST_ID_METADATA = "x-request-id"
 
@@ -42,27 +45,34 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         pipeline: Pipeline,
         config: ServerConfig | None = None,
         metrics: Metrics | None = None,
+        tracer: RequestTracer | None = None,  # None: the caller's trace ids in the logs only
     ) -> None:
         self._pipeline = pipeline
         self._config = config or ServerConfig()
         self._metrics = metrics
+        self._tracer = tracer or LogTracer()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        with self._counting_rejection():
-            check_input(request, self._config.limits)  # names the field, so first
-            check_request_size(request, self._config.limits)
-            inp = convert.to_input(request, request.request_id or _call_request_id(context))
-        async for event in self._events(inp):
-            yield pb.GenerateResponse(request_id=inp.request_id, **convert.event_fields(event))
+        request_id = request.request_id or _call_request_id(context)
+        # The request's scope (trace ids in its log lines, its span) covers validation too.
+        with self._tracer.request(
+            request_id[:MAX_REQUEST_ID_CHARS], context.invocation_metadata()
+        ) as trace:
+            with self._counting_rejection():
+                check_input(request, self._config.limits)  # names the field, so first
+                check_request_size(request, self._config.limits)
+                inp = convert.to_input(request, request_id)
+            async for event in self._events(inp, trace):
+                yield pb.GenerateResponse(request_id=inp.request_id, **convert.event_fields(event))
 
     async def GenerateBatch(
         self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateBatchResponse]:
         with self._counting_rejection():
             inputs = self._batch_inputs(request, _call_request_id(context, fallback=""))
-        async for i, event in self._merged(inputs):
+        async for i, event in self._merged(inputs, context.invocation_metadata()):
             yield pb.GenerateBatchResponse(
                 request_id=inputs[i].request_id, index=i, **convert.event_fields(event)
             )
@@ -94,11 +104,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 self._metrics.observe_rejected("invalid_argument")
             raise
 
-    async def _events(self, inp: GenerateInput) -> AsyncIterator:
-        """The pipeline's events for one request, logged, with errors naming request fields."""
+    async def _events(self, inp: GenerateInput, trace: RequestTrace) -> AsyncIterator:
+        """The pipeline's events for one request, logged, with errors naming request fields
+        (inside the request's ``tracer.request`` scope)."""
         try:
             async with contextlib.aclosing(self._pipeline.generate(inp)) as events:
-                async for event in events:
+                async for event in trace.watch(events):
                     if isinstance(event, Complete):
                         log_complete(inp.request_id, event)
                     yield event
@@ -129,7 +140,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 inputs.append(convert.to_input(item, request_id))
         return inputs
 
-    async def _merged(self, inputs: list[GenerateInput]) -> AsyncIterator:
+    async def _merged(
+        self, inputs: list[GenerateInput], metadata: Iterable | None
+    ) -> AsyncIterator:
         """(index, event) of all requests as they come, once every request has started.
 
         Holding events back until each request has produced its first one means a request
@@ -137,7 +150,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         anything is streamed.
         """
         queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(inputs))
-        tasks = [asyncio.create_task(self._pump(i, inp, queue)) for i, inp in enumerate(inputs)]
+        tasks = [
+            asyncio.create_task(self._pump(i, inp, queue, metadata)) for i, inp in enumerate(inputs)
+        ]
         try:
             held: list | None = []
             started, done = set(), 0
@@ -162,11 +177,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _pump(self, i: int, inp: GenerateInput, queue: asyncio.Queue) -> None:
+    async def _pump(
+        self, i: int, inp: GenerateInput, queue: asyncio.Queue, metadata: Iterable | None
+    ) -> None:
         # Each task owns its request's generator, so closing it never races the reader.
         try:
-            async for event in self._events(inp):
-                await queue.put((i, event))
+            with self._tracer.request(inp.request_id, metadata) as trace:
+                async for event in self._events(inp, trace):
+                    await queue.put((i, event))
             await queue.put((i, None))
         except RequestError as exc:
             await queue.put((i, exc))
@@ -211,6 +229,7 @@ def log_complete(request_id: str, complete: Complete) -> None:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         cached_prompt_tokens=usage.cached_prompt_tokens,
+        tokenize_s=round(timing.tokenize_seconds, 6),
         queue_s=round(timing.queue_seconds, 6),
         ttft_s=round(timing.time_to_first_token_seconds, 6),
         total_s=round(timing.total_seconds, 6),

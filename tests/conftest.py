@@ -66,6 +66,7 @@ def running_server(
     engine: Any,
     config: ServerConfig | None = None,
     pipeline_config: PipelineConfig | None = None,
+    tracing: Any = None,  # a services.tracing.Tracing, or None (off)
 ) -> Iterator[RunningServer]:
     """Pipeline + Server around ``engine``, started; stopped and joined on exit."""
     from services.metrics import Metrics
@@ -81,7 +82,7 @@ def running_server(
     thread.start()
 
     async def start() -> Server:
-        server = Server(pipeline, config, metrics)
+        server = Server(pipeline, config, metrics, tracing=tracing)
         await server.start()
         return server
 

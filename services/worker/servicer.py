@@ -24,11 +24,13 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from compute.log import get_logger
 from services.domain import Chunk, Complete, GenerateInput, InvalidArgument, RequestError
 from services.servicer import log_complete
+from services.trace_context import LogTracer
 from services.worker import convert
 
 if TYPE_CHECKING:
     from services.metrics import Metrics
     from services.pipeline import Pipeline
+    from services.trace_context import RequestTrace, RequestTracer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # RPCs of the protocol headrace has no counterpart for; gateways treat UNIMPLEMENTED as
@@ -53,11 +55,13 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         tokenizer_path: str,
         serving: Callable[[], bool] = lambda: True,
         metrics: Metrics | None = None,
+        tracer: RequestTracer | None = None,  # None: the caller's trace ids in the logs only
     ) -> None:
         self._pipeline = pipeline
         self._tokenizer_path = tokenizer_path
         self._serving = serving
         self._metrics = metrics
+        self._tracer = tracer or LogTracer()
         self._aborts: dict[str, asyncio.Event] = {}
         self._started = time.time()
         self._last_receive = 0.0
@@ -66,6 +70,23 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         self._last_receive = time.time()
+        request_id = request.request_id[: convert.MAX_REQUEST_ID_CHARS]
+        # The request's scope (trace ids in its log lines, its span) covers validation too.
+        with self._tracer.request(request_id, context.invocation_metadata()) as trace:
+            inp = self._checked_input(request)
+            aborted = self._aborts[inp.request_id] = asyncio.Event()
+            try:
+                async for response in self._responses(inp, request.stream, aborted, trace):
+                    yield response
+            except RequestError as exc:
+                log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
+                if isinstance(exc, InvalidArgument):  # the pipeline names domain fields
+                    raise exc.at(convert.request_field(exc.field)) from None
+                raise
+            finally:
+                del self._aborts[inp.request_id]
+
+    def _checked_input(self, request: pb.GenerateRequest) -> GenerateInput:
         try:
             inp = convert.to_input(request)
         except RequestError:
@@ -74,20 +95,10 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
             raise
         if inp.request_id in self._aborts:
             raise InvalidArgument("request_id", f"{inp.request_id!r} is already in flight")
-        aborted = self._aborts[inp.request_id] = asyncio.Event()
-        try:
-            async for response in self._responses(inp, request.stream, aborted):
-                yield response
-        except RequestError as exc:
-            log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
-            if isinstance(exc, InvalidArgument):  # the pipeline names domain fields
-                raise exc.at(convert.request_field(exc.field)) from None
-            raise
-        finally:
-            del self._aborts[inp.request_id]
+        return inp
 
     async def _responses(
-        self, inp: GenerateInput, stream: bool, aborted: asyncio.Event
+        self, inp: GenerateInput, stream: bool, aborted: asyncio.Event, trace: RequestTrace
     ) -> AsyncIterator[pb.GenerateResponse]:
         prompt_tokens = len(inp.token_ids or ())
         sent: list[int] = []  # streamed: all tokens so far; unary: held for the Complete
@@ -95,7 +106,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         # Inner aclosing first: it stops reading ``events`` before the outer one closes it.
         async with (
             contextlib.aclosing(self._pipeline.generate(inp)) as events,
-            contextlib.aclosing(_until(events, aborted)) as guarded,
+            contextlib.aclosing(_until(trace.watch(events), aborted)) as guarded,
         ):
             async for event in guarded:
                 if event is None:  # Abort(request_ids) named this request
