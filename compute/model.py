@@ -138,6 +138,8 @@ class LlamaModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, H] after the final norm, for every token of the batch."""
+        if self.native:
+            cpu.use_torch_threads()
         hidden = self._embed(token_ids)  # the residual stream, updated in place
         x = self._rms_norm(hidden, self.layers[0].input_norm)
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]

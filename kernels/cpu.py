@@ -33,6 +33,7 @@ _SIGNATURES = {
     "hr_silu_mul": (_P, _P, _I, _I),
     "hr_paged_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P),
     "hr_rope_and_cache": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
+    "hr_set_num_threads": (_I,),
 }
 
 
@@ -60,6 +61,12 @@ def available() -> bool:
         log.warning("cpu kernels unavailable", reason=str(err).splitlines()[0])
         return False
     return True
+
+
+def use_torch_threads() -> None:
+    """Run the kernels called from this thread on torch's thread count (OpenMP keeps one
+    count per calling thread, and the step loop is not the thread that set torch's)."""
+    library().hr_set_num_threads(torch.get_num_threads())
 
 
 def _check(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int | None, ...]) -> None:
