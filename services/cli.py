@@ -158,11 +158,18 @@ def _serve(args: argparse.Namespace) -> int:
 def _announce(server: Any) -> None:
     config = server.config
     host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
+    security = config.security
     print(f"headrace ready: gRPC headrace.v1.GenerationService on {host}:{server.port}", flush=True)
     if server.metrics_port is not None:
-        print(f"  metrics: http://{host}:{server.metrics_port}/metrics", flush=True)
+        scheme = "https" if security.tls else "http"
+        print(f"  metrics: {scheme}://{host}:{server.metrics_port}/metrics", flush=True)
     print(f"  also: vLLM worker protocol for gateways on {host}:{server.port}", flush=True)
-    print(f"  try: headrace generate --server {host}:{server.port} --prompt 'Hello'", flush=True)
+    hint = " --tls-ca CA.pem" if security.tls else ""
+    hint += " --tls-cert CLIENT.pem --tls-key CLIENT.key" if security.tls_client_ca else ""
+    hint += " --auth-token-file TOKEN_FILE" if security.auth else ""
+    print(
+        f"  try: headrace generate --server {host}:{server.port}{hint} --prompt 'Hello'", flush=True
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:

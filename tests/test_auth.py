@@ -39,8 +39,9 @@ def _token_file(path: Path, *tokens: str) -> Path:
 def _serve(serve, tmp_path: Path, metrics_port: int = -1, **security) -> RunningServer:
     tokens = _token_file(tmp_path / "tokens", TOKEN, OTHER)
     config = SecurityConfig(auth_token_file=str(tokens), **security)
-    return serve(config=ServerConfig(host="127.0.0.1", port=0, metrics_port=metrics_port,
-                                     security=config))  # fmt: skip
+    return serve(
+        config=ServerConfig(host="127.0.0.1", port=0, metrics_port=metrics_port, security=config)
+    )
 
 
 def _auth(token: str) -> list[tuple[str, str]]:
@@ -97,8 +98,12 @@ def test_worker_protocol_is_gated_too(serve, tmp_path: Path) -> None:
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(request, timeout=TIMEOUT, metadata=_auth("nope")))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert stub.GetModelInfo(worker_pb.GetModelInfoRequest(), timeout=TIMEOUT,
-                             metadata=_auth(TOKEN)).model_path is not None  # fmt: skip
+    assert (
+        stub.GetModelInfo(
+            worker_pb.GetModelInfoRequest(), timeout=TIMEOUT, metadata=_auth(TOKEN)
+        ).model_path
+        is not None
+    )
     responses = list(stub.Generate(request, timeout=TIMEOUT, metadata=_auth(TOKEN)))
     assert responses[-1].HasField("complete")
 
@@ -135,8 +140,9 @@ def test_reflection_per_flag(serve, tmp_path: Path, auth_reflection: bool) -> No
 def _http(url: str, token: str | None = None) -> int:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                    timeout=TIMEOUT) as response:  # fmt: skip
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=TIMEOUT
+        ) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -192,8 +198,9 @@ def test_token_parsing_and_file_errors(tmp_path: Path) -> None:
     [("0.0.0.0", {}, True), ("127.0.0.1", {}, False), ("0.0.0.0", {"auth": True}, False)],
 )
 def test_warning_when_listening_openly(serve, tmp_path: Path, host, security, warned) -> None:
-    config = SecurityConfig(auth_token_file=str(_token_file(tmp_path / "t", TOKEN))
-                            if security else "")  # fmt: skip
+    config = SecurityConfig(
+        auth_token_file=str(_token_file(tmp_path / "t", TOKEN)) if security else ""
+    )
     with capture_logs() as logs:
         serve(config=ServerConfig(host=host, port=0, metrics_port=-1, security=config))
     warnings = [e for e in logs if e["log_level"] == "warning" and "without TLS" in e["event"]]
