@@ -63,7 +63,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     export.add_argument("directory", metavar="DIR", help="created if missing")
     add_flags(export, [f for f in FLAGS if f.option == "--model"], environ, classes)
-    bench_flags.add_parser(commands, environ.get(ENV_PREFIX + "SERVER", DEFAULT_SERVER))
+    bench_flags.add_parser(commands, environ.get(ENV_PREFIX + "SERVER", DEFAULT_SERVER), environ)
     return parser
 
 

@@ -5,6 +5,7 @@ tokenizer, so it runs in-process against the fake engine's server)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -222,3 +223,47 @@ def test_generate_over_mutual_tls_with_a_token(serve, files, capsys, monkeypatch
     no_cert = [a for a in no_cert if a not in ("--tls-cert", "--tls-key")]
     assert cli.main([*no_cert, "--auth-token-file", str(files["tokens"])]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_bench_serve_over_tls_with_a_token(serve, files, tmp_path: Path, monkeypatch) -> None:
+    for name in [k for k in os.environ if k.startswith("HEADRACE_")]:
+        monkeypatch.delenv(name)
+    security = SecurityConfig(
+        tls_cert=str(files["cert"]),
+        tls_key=str(files["key"]),
+        auth_token_file=str(files["tokens"]),
+        auth_metrics=True,
+    )
+    running = serve(
+        config=ServerConfig(host="127.0.0.1", port=0, metrics_port=0, security=security)
+    )
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        "serve",
+        "--server",
+        f"localhost:{running.server.port}",
+        "--tls-ca",
+        str(files["ca"]),
+        "--auth-token-file",
+        str(files["tokens"]),
+        "--metrics-url",
+        f"https://localhost:{running.server.metrics_port}/metrics",
+        "--num-requests",
+        "4",
+        "--dataset",
+        "fixed",
+        "--output-len",
+        "3",
+        "--warmup",
+        "0",
+        "--no-progress",
+        "--metrics-interval",
+        "0.05",
+        "--result-json",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["metrics"]["completed"] == 4 and run["metrics"]["failed"] == 0
+    assert run["server_metrics"]["samples"] and not run["server_metrics"]["scrape_errors"]
