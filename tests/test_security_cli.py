@@ -267,3 +267,31 @@ def test_bench_serve_over_tls_with_a_token(serve, files, tmp_path: Path, monkeyp
     (run,) = json.loads(out.read_text())["runs"]
     assert run["metrics"]["completed"] == 4 and run["metrics"]["failed"] == 0
     assert run["server_metrics"]["samples"] and not run["server_metrics"]["scrape_errors"]
+
+
+def test_flags_and_env_twins_reach_the_configs(files) -> None:
+    from services.cli_flags import build_configs
+
+    environ = {
+        "HEADRACE_AUTH_TOKEN_FILE": str(files["tokens"]),
+        "HEADRACE_AUTH_REFLECTION": "off",
+        "HEADRACE_MAX_CONNECTION_IDLE": "7",
+    }
+    args = cli.build_parser(environ).parse_args(["serve", "--keepalive-timeout", "3"])
+    server = build_configs(args).server
+    assert server.security.auth_token_file == str(files["tokens"])
+    assert server.security.auth_reflection is False
+    assert server.connection.max_connection_idle == 7 and server.connection.keepalive_timeout == 3
+    # The clients' --tls-cert/--tls-key/--auth-token-file never configure a server.
+    argv = [
+        "generate",
+        "--tls-cert",
+        str(files["client_cert"]),
+        "--tls-key",
+        str(files["client_key"]),
+        "--auth-token-file",
+        str(files["tokens"]),
+    ]
+    args = cli.build_parser({}).parse_args(argv)
+    assert build_configs(args).server.security == SecurityConfig()
+    assert args.client_tls_cert == str(files["client_cert"])
