@@ -25,6 +25,11 @@ from compute.log import get_logger
 
 CERT_FLAG, KEY_FLAG, CLIENT_CA_FLAG = "--tls-cert", "--tls-key", "--tls-client-ca"
 
+
+def _no_password() -> bytes:  # without it OpenSSL prompts on the terminal
+    return b""  # for an encrypted key, which then fails to load with a clear error
+
+
 log = get_logger(__name__)
 
 
@@ -53,7 +58,7 @@ def read_certificates(cert: str, key: str, client_ca: str | None = None) -> Cert
     if b"PRIVATE KEY-----" not in loaded.key:
         raise ValueError(f"{KEY_FLAG}: {key} holds no PEM private key")
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=_no_password)
     except (ssl.SSLError, OSError) as exc:
         raise ValueError(
             f"{CERT_FLAG}/{KEY_FLAG}: {cert} and {key} do not load as a certificate and its "
@@ -153,5 +158,5 @@ class CertificateFiles:
     def _new_context(self) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(self._paths[0], self._paths[1])
+        context.load_cert_chain(self._paths[0], self._paths[1], password=_no_password)
         return context

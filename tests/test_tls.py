@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 from services.client import Client
 from services.client_security import ClientSecurity
@@ -159,6 +160,15 @@ def test_certificate_files_are_reloaded_on_change(serve, pki: PKI, tmp_path: Pat
 
 def test_start_up_validation_names_the_flag(pki: PKI, tmp_path: Path) -> None:
     cert, key = str(pki.server.cert), str(pki.server.key)
+    private = serialization.load_pem_private_key(pki.server.key.read_bytes(), None)
+    encrypted = tmp_path / "encrypted.key"  # must fail, not prompt for a passphrase
+    encrypted.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"passphrase"),
+        )
+    )
     cases = {
         "--tls-key given without --tls-cert": {"tls_key": key},
         "--tls-cert given without --tls-key": {"tls_cert": cert},
@@ -167,6 +177,7 @@ def test_start_up_validation_names_the_flag(pki: PKI, tmp_path: Path) -> None:
         "--tls-key: cannot read": {"tls_cert": cert, "tls_key": str(tmp_path / "missing.key")},
         "--tls-cert: ": {"tls_cert": key, "tls_key": key},  # a key where the cert should be
         "--tls-cert/--tls-key: ": {"tls_cert": cert, "tls_key": str(pki.client.key)},
+        "--tls-cert/--tls-key: /": {"tls_cert": cert, "tls_key": str(encrypted)},
         "--tls-client-ca: ": {"tls_cert": cert, "tls_key": key, "tls_client_ca": key},
     }
     for expected, fields in cases.items():
