@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from services import client_security
 from services.bench import command as bench_command
 from services.bench import flags as bench_flags
 from services.cli_flags import (
@@ -62,14 +63,15 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     export.add_argument("directory", metavar="DIR", help="created if missing")
     add_flags(export, [f for f in FLAGS if f.option == "--model"], environ, classes)
-    bench_flags.add_parser(commands, environ.get(ENV_PREFIX + "SERVER", DEFAULT_SERVER))
+    bench_flags.add_parser(commands, environ.get(ENV_PREFIX + "SERVER", DEFAULT_SERVER), environ)
     return parser
 
 
 SERVE_HELP = (
     "Serve headrace.v1.GenerationService over gRPC until SIGTERM/SIGINT, then drain. The same "
     "port also answers the vLLM worker protocol (vllm.grpc.engine.VllmEngine) for gateways "
-    "such as SMG; see README 'Scaling out'."
+    "such as SMG; see README 'Scaling out'. TLS, mutual TLS and bearer tokens: --tls-cert, "
+    "--tls-key, --tls-client-ca, --auth-token-file (README 'Security')."
 )
 EXPORT_HELP = (
     "Write tokenizer.json, tokenizer_config.json (with the chat template) and "
@@ -97,6 +99,7 @@ def _add_server_flag(parser: argparse.ArgumentParser, environ: Mapping[str, str]
         help=f"server address [env {env}; default: {DEFAULT_SERVER}]",
     )
     parser.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+    client_security.add_flags(parser, environ)
 
 
 def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
@@ -155,11 +158,18 @@ def _serve(args: argparse.Namespace) -> int:
 def _announce(server: Any) -> None:
     config = server.config
     host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
+    security = config.security
     print(f"headrace ready: gRPC headrace.v1.GenerationService on {host}:{server.port}", flush=True)
     if server.metrics_port is not None:
-        print(f"  metrics: http://{host}:{server.metrics_port}/metrics", flush=True)
+        scheme = "https" if security.tls else "http"
+        print(f"  metrics: {scheme}://{host}:{server.metrics_port}/metrics", flush=True)
     print(f"  also: vLLM worker protocol for gateways on {host}:{server.port}", flush=True)
-    print(f"  try: headrace generate --server {host}:{server.port} --prompt 'Hello'", flush=True)
+    hint = " --tls-ca CA.pem" if security.tls else ""
+    hint += " --tls-cert CLIENT.pem --tls-key CLIENT.key" if security.tls_client_ca else ""
+    hint += " --auth-token-file TOKEN_FILE" if security.auth else ""
+    print(
+        f"  try: headrace generate --server {host}:{server.port}{hint} --prompt 'Hello'", flush=True
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -185,7 +195,7 @@ def _generate(args: argparse.Namespace) -> int:
         with client.OfflineClient(configs.engine, configs.pipeline) as offline:
             client.print_responses(offline.generate(request), args.stream)
     else:
-        with client.Client(args.server, timeout=args.timeout) as remote:
+        with client.Client(args.server, args.timeout, _security(args)) as remote:
             client.print_responses(remote.generate(request), args.stream)
     return 0
 
@@ -195,7 +205,7 @@ def _info(args: argparse.Namespace) -> int:
 
     from services.client import Client
 
-    with Client(args.server, timeout=args.timeout) as remote:
+    with Client(args.server, args.timeout, _security(args)) as remote:
         info = remote.model_info()
     print(json.dumps(json_format.MessageToDict(info, preserving_proto_field_name=True), indent=2))
     return 0
@@ -207,7 +217,7 @@ def _health(args: argparse.Namespace) -> int:
     from services.client import Client
 
     try:
-        with Client(args.server, timeout=args.timeout or 5.0) as remote:
+        with Client(args.server, args.timeout or 5.0, _security(args)) as remote:
             status = remote.health(args.service)
     except grpc.RpcError as exc:
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -217,6 +227,10 @@ def _health(args: argparse.Namespace) -> int:
         return 1
     print(status)
     return 0 if status == "SERVING" else 1
+
+
+def _security(args: argparse.Namespace) -> client_security.ClientSecurity:
+    return client_security.ClientSecurity.from_args(args, os.environ)
 
 
 def _export_tokenizer(args: argparse.Namespace) -> int:

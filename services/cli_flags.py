@@ -21,9 +21,11 @@ from compute.core.config import (
     EngineConfig,
     SchedulerConfig,
 )
+from services.connection_config import ConnectionConfig
 from services.input_limits import InputLimits
 from services.log import FORMATS, LEVELS, LogConfig
 from services.pipeline import PipelineConfig
+from services.security_config import SecurityConfig
 from services.server_config import ServerConfig
 from services.tracing_config import TracingConfig
 
@@ -79,6 +81,27 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-batch-requests", "server.max_batch_requests", "most requests per batch call", int),
     Flag("--tokenizer-dir", "server.tokenizer_dir",
          "where to write the tokenizer that gateways load (empty = a temporary directory)"),
+    Flag("--max-connection-idle", "connection.max_connection_idle",
+         "GOAWAY connections with no call open this long (0 = never)", float),
+    Flag("--keepalive-time", "connection.keepalive_time",
+         "seconds of silence before the server pings a connection", float),
+    Flag("--keepalive-timeout", "connection.keepalive_timeout",
+         "seconds to wait for that ping's ack before closing the connection", float),
+    Flag("--handshake-timeout", "connection.handshake_timeout",
+         "seconds a new connection gets to finish TLS and HTTP/2 set-up", float),
+    Flag("--max-metadata-bytes", "connection.max_metadata_bytes",
+         "largest request metadata (headers), else RESOURCE_EXHAUSTED", int),
+    Flag("--tls-cert", "security.tls_cert", "PEM certificate chain: serve TLS (gRPC and HTTP)"),
+    Flag("--tls-key", "security.tls_key", "PEM private key of --tls-cert"),
+    Flag("--tls-client-ca", "security.tls_client_ca",
+         "PEM CA bundle: require gRPC clients to present a certificate it signed (mTLS)"),
+    Flag("--auth-token-file", "security.auth_token_file",
+         "bearer tokens accepted, one per line, re-read on change: require "
+         "'authorization: Bearer <token>' (health stays open)"),
+    Flag("--auth-reflection", "security.auth_reflection",
+         "server reflection needs the token too (with --auth-token-file)", _bool),
+    Flag("--auth-metrics", "security.auth_metrics",
+         "HTTP /metrics needs the token too (/health stays open)", _bool),
     Flag("--max-request-bytes", "limits.max_request_bytes", "largest request (a batch: whole)",
          int),
     Flag("--max-prompt-bytes", "limits.max_prompt_bytes", "largest prompt, UTF-8 bytes", int),
@@ -135,6 +158,8 @@ def sections() -> dict[str, type]:
     return {
         "server": ServerConfig,
         "limits": InputLimits,
+        "connection": ConnectionConfig,
+        "security": SecurityConfig,
         "engine": EngineConfig,
         "device": DeviceConfig,
         "cache": CacheConfig,
@@ -164,7 +189,12 @@ def build_configs(args: argparse.Namespace) -> Configs:
             values[section][field] = getattr(args, flag.dest)
     nested = ("engine", "server")  # built below, around the sections they hold
     built = {name: cls(**values[name]) for name, cls in classes.items() if name not in nested}
-    built["server"] = ServerConfig(**values["server"], limits=built["limits"])
+    built["server"] = ServerConfig(
+        **values["server"],
+        limits=built["limits"],
+        connection=built["connection"],
+        security=built["security"],
+    )
     engine = EngineConfig(
         **values["engine"],
         cache=built["cache"],
@@ -210,7 +240,7 @@ def add_flags(
 def _shown(default: Any) -> str:
     if isinstance(default, bool):
         return "on" if default else "off"
-    return "none" if default is None else str(default)
+    return "none" if default is None or default == "" else str(default)
 
 
 def _from_env(flag: Flag, text: str) -> Any:

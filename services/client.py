@@ -14,10 +14,10 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import convert
+from services.client_security import ClientSecurity
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 DEFAULT_SERVER = "localhost:50051"
 # Keepalive pings every 10 s keep long streams alive through proxies and NATs; the
-# server accepts pings that often (services/server.py KEEPALIVE_OPTIONS).
+# server accepts pings that often (services/connection_config.py CLIENT_PING_OPTIONS).
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -69,31 +69,35 @@ def generate_request(
 class Client:
     """A GenerationService client on one channel; use as a context manager."""
 
-    def __init__(self, target: str = DEFAULT_SERVER, timeout: float | None = None) -> None:
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(
+        self,
+        target: str = DEFAULT_SERVER,
+        timeout: float | None = None,
+        security: ClientSecurity | None = None,  # TLS and token; default plaintext, none
+    ) -> None:
+        security = security or ClientSecurity()
+        self._channel = security.channel(target, CHANNEL_OPTIONS)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
-        self._timeout = timeout
+        self._call = {"timeout": timeout, "metadata": security.metadata}
 
     def generate(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateResponse]:
         """The response stream; stop iterating (or call .cancel()) to abort the request."""
-        return self._stub.Generate(request, timeout=self._timeout)
+        return self._stub.Generate(request, **self._call)
 
     def generate_batch(self, requests: Sequence[pb.GenerateRequest]) -> Iterator:
-        return self._stub.GenerateBatch(
-            pb.GenerateBatchRequest(requests=requests), timeout=self._timeout
-        )
+        return self._stub.GenerateBatch(pb.GenerateBatchRequest(requests=requests), **self._call)
 
     def tokenize(self, prompt: str) -> pb.TokenizeResponse:
-        return self._stub.Tokenize(pb.TokenizeRequest(prompt=prompt), timeout=self._timeout)
+        return self._stub.Tokenize(pb.TokenizeRequest(prompt=prompt), **self._call)
 
     def model_info(self) -> pb.GetModelInfoResponse:
-        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout)
+        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), **self._call)
 
     def health(self, service: str = "") -> str:
         """The grpc.health.v1 status name of ``service`` ("" = the whole server)."""
         stub = health_pb2_grpc.HealthStub(self._channel)
         request = health_pb2.HealthCheckRequest(service=service)
-        response = stub.Check(request, timeout=self._timeout or 5.0)
+        response = stub.Check(request, timeout=self._call["timeout"] or 5.0)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def close(self) -> None:

@@ -1,5 +1,8 @@
 """The gRPC server: GenerationService, health, reflection, /metrics + /health, drain.
 
+TLS, mutual TLS and token auth come from services/security.py; connection limits and
+keepalive from services/connection_config.py (both through ServerConfig).
+
 ``Server`` wires a started pipeline into a grpc.aio server. On SIGTERM or
 SIGINT, ``serve`` drains: health turns NOT_SERVING, new GenerationService calls
 get UNAVAILABLE "server is draining", streams in flight get ``grace_period``
@@ -25,6 +28,7 @@ from services.domain import Unavailable
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.http_endpoint import start_http
+from services.security import ServerSecurity
 from services.server_config import ServerConfig
 from services.servicer import GenerationServicer
 from services.status import (
@@ -48,17 +52,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 # Calls the drain gate counts and refuses while draining: every generation, never Abort,
 # health or the worker protocol's info calls (a gateway keeps polling a draining worker).
 GATED_PREFIXES = (SERVICE_PREFIX, WORKER_PREFIX + "Generate")
-# Clients may ping every 10 s (5 s leaves room for jitter) even with no call open;
-# the server pings idle connections itself so that vanished clients are noticed and
-# their generations cancelled.
-KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-]
 
 log = get_logger(__name__)
 
@@ -124,6 +117,7 @@ class Server:
         self._pipeline = pipeline
         self._metrics = metrics
         self._gate = DrainGate(metrics)
+        self._security = ServerSecurity(self.config.security)
         self._health = health.aio.HealthServicer()
         self._http: WSGIServer | None = None
         self._hurry = asyncio.Event()
@@ -131,14 +125,17 @@ class Server:
 
     async def start(self) -> None:
         """Bind, start answering, report SERVING, and start the metrics endpoint."""
-        # First = outermost: the span of a call sees the status the mapping gives it.
+        # First = outermost: auth (when on) before anything else runs, so a refused call
+        # never reaches tracing or a handler; the span of a call sees the status the
+        # mapping gives it.
         interceptors = [StatusInterceptor(), self._gate]
         tracer = None
         if self._tracing is not None:
             interceptors.insert(0, self._tracing.interceptor)
             tracer = self._tracing.requests
         self._server = grpc.aio.server(
-            interceptors=interceptors, options=[*self.config.grpc_options(), *KEEPALIVE_OPTIONS]
+            interceptors=[*self._security.interceptors(self._metrics), *interceptors],
+            options=self.config.grpc_options(),  # message size, connection limits, keepalive
         )
         pb_grpc.add_GenerationServiceServicer_to_server(
             GenerationServicer(self._pipeline, self.config, self._metrics, tracer), self._server
@@ -152,12 +149,13 @@ class Server:
             (SERVICE_NAME, WORKER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
             self._server,
         )
-        self.port = self._server.add_insecure_port(self.config.address)
+        self.port = self._security.bind(self._server, self.config.address)
         await self._server.start()
         for service in ("", SERVICE_NAME, WORKER_SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._start_metrics()
         log.info("serving", address=self.config.address, port=self.port)
+        self._security.log_posture(self.config.host)
 
     def _start_metrics(self) -> None:
         if self._metrics is None or self.config.metrics_port < 0:
@@ -167,6 +165,8 @@ class Server:
             self.config.metrics_port,
             self._metrics.registry,
             serving=lambda: not self._gate.draining,
+            tls=self._security.http_tls,
+            authorize=self._security.http_authorize,
         )
         self.metrics_port = self._http.server_port
 

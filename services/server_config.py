@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.connection_config import ConnectionConfig
 from services.input_limits import InputLimits
+from services.security_config import SecurityConfig
 
 MIB = 1024 * 1024
 
@@ -29,6 +31,8 @@ class ServerConfig:
     max_connection_age: float = 0.0
     max_connection_age_grace: float = 300.0
     limits: InputLimits = field(default_factory=InputLimits)  # sizes checked before tokenizing
+    connection: ConnectionConfig = field(default_factory=ConnectionConfig)  # idle, keepalive
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # TLS, mTLS, token auth
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -49,8 +53,9 @@ class ServerConfig:
             raise ValueError(f"max_batch_requests must be positive, got {self.max_batch_requests}")
 
     def grpc_options(self) -> list[tuple[str, int]]:
-        """Message-size and connection-age options of the grpc server."""
+        """The grpc server's options: message size, connection age, idle, keepalive."""
         options = [
+            *self.connection.grpc_options(),
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
         ]

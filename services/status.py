@@ -98,7 +98,11 @@ def reject_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
         async def us(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
             await _checked(request, context)
-            async with contextlib.aclosing(unary_stream(request, context)) as responses:
+            responses = unary_stream(request, context)
+            if not hasattr(responses, "__aiter__"):  # a coroutine writing with context.write,
+                await responses  # e.g. grpc.health.v1's Watch
+                return
+            async with contextlib.aclosing(responses) as responses:
                 async for response in responses:
                     yield response
 

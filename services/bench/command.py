@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -20,11 +21,12 @@ from services.bench.flags import check_args
 from services.bench.runner import RequestRecord, RunSettings, run_workload
 from services.bench.scrape import MetricsSampler
 from services.bench.stats import summarize
+from services.client_security import ClientSecurity
 
 
-def default_metrics_url(target: str) -> str:
+def default_metrics_url(target: str, tls: bool = False) -> str:
     host = target.rsplit(":", 1)[0] if ":" in target else target
-    return f"http://{host or 'localhost'}:9400/metrics"
+    return f"{'https' if tls else 'http'}://{host or 'localhost'}:9400/metrics"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -40,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
                 launched_server(args.serve_args, args.ready_timeout)
             )
             metrics_url = metrics_url or launched_url
-        metrics_url = metrics_url or default_metrics_url(target)
+        metrics_url = metrics_url or default_metrics_url(target, _security(args).tls)
         if metrics_url.lower() == "none":
             metrics_url = None
         record = benchmark(args, target, metrics_url, rates, slos)
@@ -57,7 +59,7 @@ def benchmark(
 ) -> dict[str, Any]:
     from services.bench.report import commit, machine, print_table
 
-    info = _model_info(target)
+    info = _model_info(target, _security(args))
     requests = build_workload(args, target, info)
     settings = _settings(args, rates)
     if args.warmup:
@@ -93,6 +95,7 @@ def _settings(args: argparse.Namespace, rates: list[float]):
             args.ignore_eos,
             args.temperature,
             args.seed,
+            _security(args),
         )
 
     return at
@@ -109,7 +112,7 @@ def one_run(
     from tqdm import tqdm
 
     offsets = arrival_offsets(len(requests), settings.request_rate, settings.burstiness, args.seed)
-    sampler = MetricsSampler(metrics_url, args.metrics_interval)
+    sampler = MetricsSampler(metrics_url, args.metrics_interval, settings.security)
     disable = None if args.progress is None else not args.progress
     with tqdm(
         total=len(requests),
@@ -141,12 +144,19 @@ def _record_dict(r: RequestRecord) -> dict[str, Any]:
     return asdict(r) | {"chunks": [list(c) for c in r.chunks]}
 
 
-def _model_info(target: str) -> dict[str, Any]:
+def _security(args: argparse.Namespace) -> ClientSecurity:
+    """TLS and token options (``--tls-ca``, ``--auth-token-file``...; none = plaintext)."""
+    if not hasattr(args, "client_tls"):  # a namespace built without those flags
+        return ClientSecurity()
+    return ClientSecurity.from_args(args, os.environ)
+
+
+def _model_info(target: str, security: ClientSecurity | None = None) -> dict[str, Any]:
     from google.protobuf import json_format
 
     from services.client import Client
 
-    with Client(target, timeout=30) as remote:
+    with Client(target, 30, security) as remote:
         info = remote.model_info()
     return json_format.MessageToDict(info, preserving_proto_field_name=True)
 
@@ -161,7 +171,9 @@ def build_workload(
         return workload.jsonl_requests(args.dataset_path, args.output_len, n)
     spec = workload.RandomSpec(args.input_len, args.output_len, args.range_ratio, args.prefix_len)
     pool = workload.token_pool(
-        _tokenized_pool(target), int(info.get("vocab_size", 0)), info.get("eos_token_ids", [])
+        _tokenized_pool(target, _security(args)),
+        int(info.get("vocab_size", 0)),
+        info.get("eos_token_ids", []),
     )
     return workload.random_requests(spec, pool, n, args.seed)
 
@@ -174,12 +186,12 @@ _NO_TOKENIZER = (
 )
 
 
-def _tokenized_pool(target: str) -> list[int] | None:
+def _tokenized_pool(target: str, security: ClientSecurity | None = None) -> list[int] | None:
     """The served model's own ids for a stock paragraph; None when it has no tokenizer."""
     from services.client import Client
 
     try:
-        with Client(target, timeout=30) as remote:
+        with Client(target, 30, security) as remote:
             return list(remote.tokenize(workload._POOL_TEXT).token_ids)
     except grpc.RpcError as exc:
         if exc.code() in _NO_TOKENIZER:

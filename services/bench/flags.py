@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
+from services import client_security
 from services.bench.stats import parse_slos
 
 HELP = """Benchmark a headrace server the way `vllm bench serve` does: send a workload at a
@@ -16,7 +19,11 @@ With --launch, flags after `--` go to `headrace serve`, e.g.
   headrace bench serve --launch --num-requests 64 --max-concurrency 16 -- --max-num-seqs 64"""
 
 
-def add_parser(commands: argparse._SubParsersAction, default_server: str) -> None:
+def add_parser(
+    commands: argparse._SubParsersAction,
+    default_server: str,
+    environ: Mapping[str, str] | None = None,
+) -> None:
     """Register ``bench`` with its ``serve`` subcommand on the ``headrace`` parser."""
     bench = commands.add_parser("bench", help="benchmarks against a server (bench serve)")
     kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
@@ -27,6 +34,7 @@ def add_parser(commands: argparse._SubParsersAction, default_server: str) -> Non
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_target_flags(p, default_server)
+    client_security.add_flags(p, os.environ if environ is None else environ)
     _add_workload_flags(p)
     _add_load_flags(p)
     _add_output_flags(p)

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 READY = re.compile(r"headrace ready: .* on (?P<host>[^\s:]+):(?P<port>\d+)")
-METRICS = re.compile(r"metrics: (?P<url>http://\S+/metrics)")
+METRICS = re.compile(r"metrics: (?P<url>https?://\S+/metrics)")
 
 
 @contextlib.contextmanager

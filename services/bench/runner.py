@@ -16,6 +16,7 @@ import grpc
 
 from services.bench.workload import BenchRequest
 from services.client import CHANNEL_OPTIONS, generate_request
+from services.client_security import ClientSecurity
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 
@@ -51,6 +52,7 @@ class RunSettings:
     ignore_eos: bool
     temperature: float
     seed: int
+    security: ClientSecurity = field(default_factory=ClientSecurity)  # TLS and token
 
 
 def to_proto(req: BenchRequest, index: int, tag: str, settings: RunSettings) -> pb.GenerateRequest:
@@ -72,10 +74,11 @@ async def _one(
     message: pb.GenerateRequest,
     record: RequestRecord,
     t0: float,
+    metadata: Sequence[tuple[str, str]] = (),
 ) -> None:
     record.send = time.perf_counter() - t0
     try:
-        async for response in stub.Generate(message):
+        async for response in stub.Generate(message, metadata=metadata):
             now = time.perf_counter() - t0
             if response.HasField("complete"):
                 _complete(record, response.complete)
@@ -110,7 +113,7 @@ async def run_workload(
     value, default now); (records, seconds from the first send to the last end)."""
     gate = asyncio.Semaphore(settings.max_concurrency or len(requests) or 1)
     records = [RequestRecord(i, 0.0) for i in range(len(requests))]
-    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+    async with settings.security.aio_channel(target, CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         t0 = time.perf_counter() if t0 is None else t0
 
@@ -119,7 +122,8 @@ async def run_workload(
             if delay > 0:
                 await asyncio.sleep(delay)
             async with gate:
-                await _one(stub, to_proto(requests[i], i, tag, settings), records[i], t0)
+                message = to_proto(requests[i], i, tag, settings)
+                await _one(stub, message, records[i], t0, settings.security.metadata)
             if on_done is not None:
                 on_done(records[i])
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.client_security import ClientSecurity
+
 # Sample name in the exposition -> key in the result.
 SAMPLED = {
     "headrace_requests_running": "running",
@@ -28,9 +30,15 @@ SAMPLED = {
 }
 
 
-def scrape(url: str, timeout: float = 2.0) -> dict[str, float]:
-    """One scrape: the SAMPLED values present at ``url``."""
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def scrape(
+    url: str, timeout: float = 2.0, security: ClientSecurity | None = None
+) -> dict[str, float]:
+    """One scrape: the SAMPLED values present at ``url`` (HTTPS and the token per
+    ``security``)."""
+    security = security or ClientSecurity()
+    request = urllib.request.Request(url, headers=dict(security.metadata))
+    context = security.ssl_context() if url.startswith("https:") else None
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
         text = response.read().decode()
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
@@ -44,9 +52,12 @@ class MetricsSampler:
     """``start()`` scrapes every ``interval`` seconds until ``stop()``; times are relative
     to ``t0`` (a time.perf_counter() value, the run's start)."""
 
-    def __init__(self, url: str | None, interval: float = 0.5) -> None:
+    def __init__(
+        self, url: str | None, interval: float = 0.5, security: ClientSecurity | None = None
+    ) -> None:
         self.url = url
         self.interval = interval
+        self.security = security
         self.samples: list[dict[str, float]] = []
         self.errors: dict[str, int] = {}
         self._stop = threading.Event()
@@ -78,7 +89,7 @@ class MetricsSampler:
 
     def _sample(self) -> None:
         try:
-            values = scrape(self.url)
+            values = scrape(self.url, security=self.security)
         except (OSError, ValueError) as exc:
             name = type(exc).__name__
             self.errors[name] = self.errors.get(name, 0) + 1
