@@ -28,6 +28,7 @@ _SIGNATURES = {
     "hr_quant_linear": (_I, _P, _I, _I, _P, _I, _P, _P),
     "hr_quant_linear_int8": (_I, _P, _I, _I, _P, _I, _P, _P),
     "hr_dequantize_rows": (_I, _P, _I, _P, _I, _P),
+    "hr_dequantize_grouped": (_I, _P, _I, _P, _I, _P),
     "hr_rms_norm": (_P, _P, _P, _I, _I, _F),
     "hr_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
     "hr_silu_mul": (_P, _P, _I, _I),
@@ -91,9 +92,15 @@ def quant_linear(
     """x [n, cols] fp32 @ weight.T (+ bias) -> [n, rows] fp32.
 
     ``int8``: x is quantized to int8 per block of 32 first (quantize_activations) and the
-    products are integer dot products, as llama.cpp computes; otherwise exact fp32 math."""
+    products are integer dot products, as llama.cpp computes (the weight must be in the
+    grouped layout, ``weight.grouped()``); otherwise exact fp32 math (the per-row layout)."""
     if check:
         _check("x", x, torch.float32, (None, weight.cols))
+        if weight.grouped_layout != int8:
+            layout = "grouped (weight.grouped())" if int8 else "per-row"
+            raise ValueError(
+                f"weight: the {'int8' if int8 else 'fp32'} kernel reads the {layout} layout"
+            )
         if bias is not None:
             _check("bias", bias, torch.float32, (weight.rows,))
     out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
@@ -155,7 +162,9 @@ def dequantize_rows(weight: QuantizedWeight, rows: Tensor | None = None) -> Tens
             raise ValueError(f"rows must be in [0, {weight.rows})")
     out = torch.empty(count, weight.cols, dtype=torch.float32)
     if count:
-        library().hr_dequantize_rows(
+        lib = library()
+        fn = lib.hr_dequantize_grouped if weight.grouped_layout else lib.hr_dequantize_rows
+        fn(
             weight.format.code,
             weight.data.data_ptr(),
             weight.cols,

@@ -74,6 +74,10 @@ def test_quant_linear_checks_its_arguments():
     weight = QuantizedWeight.from_gguf("q8_0", random_blocks("q8_0", 4, 64), 64)
     with pytest.raises(ValueError, match="x must have shape"):
         cpu.quant_linear(torch.randn(2, 32), weight)
+    with pytest.raises(ValueError, match="the int8 kernel reads the grouped"):
+        cpu.quant_linear(torch.randn(2, 64), weight, int8=True)
+    with pytest.raises(ValueError, match="the fp32 kernel reads the per-row"):
+        cpu.quant_linear(torch.randn(2, 64), weight.grouped())
     with pytest.raises(ValueError, match="x must be a contiguous CPU torch.float32"):
         cpu.quant_linear(torch.randn(2, 64, dtype=torch.float64), weight)
 
@@ -174,11 +178,27 @@ def test_paged_attention_is_batch_invariant_bitwise():
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("cols", [64, 256, 576, 1536])  # 2, 8, 18 and 48 blocks
+def test_grouped_layout_holds_the_same_weights(fmt, cols):
+    plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 6, cols, seed=cols), cols)
+    grouped = plain.grouped()
+    assert grouped.grouped_layout and grouped.data.shape == plain.data.shape
+    assert torch.equal(grouped.codes(), plain.codes())
+    assert torch.equal(grouped.dequantize(), plain.dequantize())
+    assert torch.equal(cpu.dequantize_rows(grouped), plain.dequantize())
+    rows = torch.tensor([4, 1], dtype=torch.int64)
+    assert torch.equal(cpu.dequantize_rows(grouped, rows), plain.dequantize()[rows])
+    if cols >= 256:
+        assert not torch.equal(grouped.data, plain.data), "8 or more blocks get interleaved"
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("n", [1, 3, 4, 9, 64])
-@pytest.mark.parametrize("cols", [64, 288, 576])  # 2, 9 and 18 blocks: padded to 8
+@pytest.mark.parametrize("cols", [64, 288, 576])  # 2, 9 and 18 blocks: groups of 8 + the rest
 def test_int8_linear_is_the_exact_product_of_quantized_activations(fmt, n, cols):
     rows = 13
-    weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, cols, seed=n + cols), cols)
+    plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, cols, seed=n + cols), cols)
+    weight = plain.grouped()
     x = torch.randn(n, cols)
     x[0, :32] = 0.0  # an all-zero block quantizes to zeros, not NaN
     bias = torch.randn(rows)
@@ -191,7 +211,7 @@ def test_int8_linear_is_the_exact_product_of_quantized_activations(fmt, n, cols)
 
 
 def test_int8_linear_rows_do_not_depend_on_the_batch():
-    weight = QuantizedWeight.from_gguf("q4_1", random_blocks("q4_1", 24, 576), 576)
+    weight = QuantizedWeight.from_gguf("q4_1", random_blocks("q4_1", 24, 576), 576).grouped()
     x = torch.randn(11, 576)
     whole = cpu.quant_linear(x, weight, int8=True)
     for n in (1, 2, 4, 5):
