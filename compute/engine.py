@@ -276,7 +276,7 @@ def cpu_execution(cfg: DeviceConfig, device: torch.device, dtype: torch.dtype) -
     if cfg.weights.startswith("quantized") and not native:
         raise ValueError("weights: quantized weights need the CPU kernels (--cpu-kernels native)")
     if cfg.weights == "auto":
-        return native, "quantized-int8" if native else "dense"
+        return native, "quantized" if native else "dense"
     return native, cfg.weights
 
 

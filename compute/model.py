@@ -43,6 +43,8 @@ class Projection:
     ) -> None:
         self.bias, self.int8 = bias, int8
         self.quantized = weight if isinstance(weight, QuantizedWeight) else None
+        if self.quantized is not None and int8:
+            self.quantized = self.quantized.grouped()  # the int8 kernel's layout
         self.weight = None if self.quantized else weight.contiguous()
         on_cpu = self.weight is not None and self.weight.device.type == "cpu"
         self.weight_t = self.weight.t().contiguous() if on_cpu else None
@@ -117,8 +119,9 @@ class LlamaModel:
         self.quantized = any(isinstance(w, QuantizedWeight) for w in weights.values())
         if self.quantized and not native:
             raise ValueError("weights: quantized weights run only on the CPU kernels (native)")
-        self.embed_tokens = embed
         self.lm_head = Projection(weights.get("lm_head.weight", embed), int8=int8)
+        tied = "lm_head.weight" not in weights and self.lm_head.quantized is not None
+        self.embed_tokens = self.lm_head.quantized if tied else embed  # one copy when tied
         self.layers = [_fuse_layer(weights, i, config, int8) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(
             config.head_dim,

@@ -122,8 +122,8 @@ FLAGS: tuple[Flag, ...] = (
          choices=("auto", "native", "torch")),
     Flag("--weights", "device.weights",
          "GGUF weights: dense (dequantized at load), quantized (kept in blocks, fp32 math), "
-         "quantized-int8 (blocks and int8 activations, llama.cpp's numerics); auto = "
-         "quantized-int8 on the CPU kernels", choices=WEIGHT_MODES),
+         "quantized-int8 (blocks and int8 activations, llama.cpp's numerics: faster, "
+         "approximate); auto = quantized on the CPU kernels", choices=WEIGHT_MODES),
     Flag("--block-size", "cache.block_size", "tokens per KV block (power of two)", int),
     Flag("--num-blocks", "cache.num_blocks", "KV blocks (none = from memory)", _optional_int),
     Flag("--kv-cache-memory-gib", "cache.memory_gib",

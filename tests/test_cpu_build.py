@@ -57,11 +57,9 @@ def test_without_kernels_the_engine_runs_dense_on_torch(no_kernels):
 def test_weights_modes_need_what_they_run_on():
     if not cpu.available():
         pytest.skip("CPU kernels cannot be built here")
-    assert cpu_execution(DeviceConfig(), CPU, torch.float32) == (True, "quantized-int8")
-    assert cpu_execution(DeviceConfig(weights="quantized"), CPU, torch.float32) == (
-        True,
-        "quantized",
-    )
+    assert cpu_execution(DeviceConfig(), CPU, torch.float32) == (True, "quantized")
+    int8 = DeviceConfig(weights="quantized-int8")
+    assert cpu_execution(int8, CPU, torch.float32) == (True, "quantized-int8")
     # bf16 on the CPU, or torch asked for: dense weights, torch ops.
     assert cpu_execution(DeviceConfig(), CPU, torch.bfloat16) == (False, "dense")
     assert cpu_execution(DeviceConfig(cpu_kernels="torch"), CPU, torch.float32) == (False, "dense")

@@ -447,7 +447,7 @@ def test_model_info_says_how_the_weights_are_held(real: RunningServer) -> None:
     from kernels import cpu
 
     info = real.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT)
-    assert info.weights == ("quantized-int8" if cpu.available() else "dense")
+    assert info.weights == ("quantized" if cpu.available() else "dense")
     assert info.dtype == "float32" and info.device == "cpu"
 
 
