@@ -57,7 +57,7 @@ def benchmark(
 ) -> dict[str, Any]:
     from services.bench.report import commit, machine, print_table
 
-    info = _model_info(target)
+    info = model_info(target)
     requests = build_workload(args, target, info)
     settings = _settings(args, rates)
     if args.warmup:
@@ -141,7 +141,7 @@ def _record_dict(r: RequestRecord) -> dict[str, Any]:
     return asdict(r) | {"chunks": [list(c) for c in r.chunks]}
 
 
-def _model_info(target: str) -> dict[str, Any]:
+def model_info(target: str) -> dict[str, Any]:
     from google.protobuf import json_format
 
     from services.client import Client
@@ -161,7 +161,7 @@ def build_workload(
         return workload.jsonl_requests(args.dataset_path, args.output_len, n)
     spec = workload.RandomSpec(args.input_len, args.output_len, args.range_ratio, args.prefix_len)
     pool = workload.token_pool(
-        _tokenized_pool(target), int(info.get("vocab_size", 0)), info.get("eos_token_ids", [])
+        tokenized_pool(target), int(info.get("vocab_size", 0)), info.get("eos_token_ids", [])
     )
     return workload.random_requests(spec, pool, n, args.seed)
 
@@ -174,13 +174,13 @@ _NO_TOKENIZER = (
 )
 
 
-def _tokenized_pool(target: str) -> list[int] | None:
+def tokenized_pool(target: str) -> list[int] | None:
     """The served model's own ids for a stock paragraph; None when it has no tokenizer."""
     from services.client import Client
 
     try:
         with Client(target, timeout=30) as remote:
-            return list(remote.tokenize(workload._POOL_TEXT).token_ids)
+            return list(remote.tokenize(workload.POOL_TEXT).token_ids)
     except grpc.RpcError as exc:
         if exc.code() in _NO_TOKENIZER:
             return None
