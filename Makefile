@@ -23,7 +23,7 @@ GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 .PHONY: help setup setup-gpu gpu-wheels gpu-check system-tools test test-gateway lint format \
-	serve generate bench bench-decode bench-serve bench-cpu-kernels proto nvcc-check clean
+	serve generate bench bench-decode bench-serve bench-cpu-kernels soak proto nvcc-check clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -110,6 +110,9 @@ bench-decode: setup ## single-sequence decode tokens/s, headrace vs HF transform
 
 bench-cpu-kernels: setup ## the CPU kernels vs the torch path: linears, attention, decode steps
 	$(PY) bench/cpu_kernels.py $(ARGS)
+
+soak: setup ## soak: 20 min of mixed load at ~half capacity; RSS, KV leaks, errors (ARGS="--duration 90 -- --model dummy:tiny")
+	$(PY) bench/soak.py $(ARGS)
 
 nvcc-check: ## compile every kernels/csrc/*.cu with nvcc -cubin for sm_80 and sm_90
 	$(PY) -m pytest -q tests/test_cuda_compile.py

@@ -30,6 +30,7 @@ from compute.fault_isolation import run_isolating
 from compute.loaders import LoadedModel, load_model
 from compute.log import get_logger
 from compute.malloc_tuning import keep_freed_memory
+from compute.memory_report import log_memory
 from compute.model import LlamaModel
 from compute.model_runner import ModelRunner, blocks_for_memory, default_num_blocks
 from kernels import cpu, ops
@@ -99,6 +100,7 @@ class Engine:
         self.runner = ModelRunner(
             model, config.cache, self.num_blocks, num_host_blocks, config.seed
         )
+        self.memory = log_memory(model, self.runner)  # one 'memory' log line: where RSS goes
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,

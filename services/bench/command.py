@@ -59,7 +59,7 @@ def benchmark(
 ) -> dict[str, Any]:
     from services.bench.report import commit, machine, print_table
 
-    info = _model_info(target, _security(args))
+    info = model_info(target, _security(args))
     requests = build_workload(args, target, info)
     settings = _settings(args, rates)
     if args.warmup:
@@ -151,7 +151,7 @@ def _security(args: argparse.Namespace) -> ClientSecurity:
     return ClientSecurity.from_args(args, os.environ)
 
 
-def _model_info(target: str, security: ClientSecurity | None = None) -> dict[str, Any]:
+def model_info(target: str, security: ClientSecurity | None = None) -> dict[str, Any]:
     from google.protobuf import json_format
 
     from services.client import Client
@@ -171,7 +171,7 @@ def build_workload(
         return workload.jsonl_requests(args.dataset_path, args.output_len, n)
     spec = workload.RandomSpec(args.input_len, args.output_len, args.range_ratio, args.prefix_len)
     pool = workload.token_pool(
-        _tokenized_pool(target, _security(args)),
+        tokenized_pool(target, _security(args)),
         int(info.get("vocab_size", 0)),
         info.get("eos_token_ids", []),
     )
@@ -186,7 +186,7 @@ _NO_TOKENIZER = (
 )
 
 
-def _tokenized_pool(target: str, security: ClientSecurity | None = None) -> list[int] | None:
+def tokenized_pool(target: str, security: ClientSecurity | None = None) -> list[int] | None:
     """The served model's own ids for a stock paragraph; None when it has no tokenizer."""
     from services.client import Client
 

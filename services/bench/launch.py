@@ -11,16 +11,35 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 READY = re.compile(r"headrace ready: .* on (?P<host>[^\s:]+):(?P<port>\d+)")
 METRICS = re.compile(r"metrics: (?P<url>https?://\S+/metrics)")
 
 
+@dataclass(frozen=True)
+class LaunchedServer:
+    """A started ``headrace serve``: its process, gRPC target, metrics URL and log file."""
+
+    process: subprocess.Popen
+    target: str
+    metrics_url: str
+    log_path: Path
+
+
 @contextlib.contextmanager
 def launched_server(serve_args: Sequence[str], ready_timeout: float) -> Iterator[tuple[str, str]]:
     """``headrace serve <serve_args>`` on free ports; yields (gRPC target, metrics URL);
     SIGTERM (drain) on exit. The server's output goes to a temporary log, shown on failure."""
+    with launched_process(serve_args, ready_timeout) as server:
+        yield server.target, server.metrics_url
+
+
+@contextlib.contextmanager
+def launched_process(serve_args: Sequence[str], ready_timeout: float) -> Iterator[LaunchedServer]:
+    """As ``launched_server``, yielding the process and its log too (the log file lives
+    until the context exits)."""
     cmd = [
         sys.executable,
         "-m",
@@ -41,7 +60,8 @@ def launched_server(serve_args: Sequence[str], ready_timeout: float) -> Iterator
         with log_path.open("w") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=os.environ)
         try:
-            yield _wait_ready(proc, log_path, ready_timeout)
+            target, metrics_url = _wait_ready(proc, log_path, ready_timeout)
+            yield LaunchedServer(proc, target, metrics_url, log_path)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

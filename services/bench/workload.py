@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Tokenized for a pool of realistic token ids; its content does not matter.
-_POOL_TEXT = (
+POOL_TEXT = (
     "The river turned the mill wheel all through the winter, and the miller kept a ledger "
     "of every sack of grain that came down the valley road. Engineers later measured the "
     "headrace, the channel that feeds the wheel, and found it carried more water than the "
