@@ -192,7 +192,7 @@ def tokenized_pool(target: str, security: ClientSecurity | None = None) -> list[
 
     try:
         with Client(target, 30, security) as remote:
-            return list(remote.tokenize(workload._POOL_TEXT).token_ids)
+            return list(remote.tokenize(workload.POOL_TEXT).token_ids)
     except grpc.RpcError as exc:
         if exc.code() in _NO_TOKENIZER:
             return None
