@@ -108,6 +108,10 @@ bench-serve: setup ## headrace bench serve vs a running server: concurrency 1/4/
 bench-decode: setup ## single-sequence decode tokens/s, headrace vs HF transformers
 	$(PY) bench/decode.py $(ARGS)
 
+.PHONY: bench-cpu
+bench-cpu: setup ## CPU: headrace serve vs HF (and llama-server if on PATH): tok/s, TTFT, RSS
+	$(PY) bench/cpu_compare.py $(ARGS)
+
 bench-cpu-kernels: setup ## the CPU kernels vs the torch path: linears, attention, decode steps
 	$(PY) bench/cpu_kernels.py $(ARGS)
 
