@@ -10,6 +10,7 @@ import statistics
 from typing import Any
 
 import common
+from decode import common_prefix
 
 LLAMA, HF = "llama.cpp", "hf"
 # Issue 11's targets for the default model: (key, what, part, summary field, test).
@@ -60,6 +61,8 @@ def summarize(raw: dict[str, dict[str, list]], infos: dict[str, dict]) -> dict[s
             "many_output_tok_s": _median(many, "output_tok_s"),
             "rss_idle_mib": (infos.get(name, {}).get("idle") or {}).get("rss_mib"),
         }
+        if name != HF and raw.get(HF, {}).get("decode"):
+            entry["greedy_tokens_as_hf"] = _agreement(decode, raw[HF]["decode"])
         if name == LLAMA:
             entry["server_decode_tok_s"] = _median(decode, "server_predicted_per_second")
             entry["server_ttft_s"] = _median(
@@ -67,6 +70,13 @@ def summarize(raw: dict[str, dict[str, list]], infos: dict[str, dict]) -> dict[s
             )
         out[name] = entry
     return out
+
+
+def _agreement(mine: list[dict], hf: list[dict]) -> list[int]:
+    """Per repetition, how many leading greedy tokens equal HF's on the same prompt: a check
+    that every system ran the same model (rounding differences make long runs part late)."""
+    theirs = {r["rep"]: r["token_ids"] for r in hf}
+    return [common_prefix(r["token_ids"], theirs[r["rep"]]) for r in mine if r["rep"] in theirs]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -145,7 +155,8 @@ def print_table(payload: dict[str, Any]) -> None:
         shown = ["-" if c is None else f"{c:.1f}" for c in cells]
         print(f"{name:<26} {shown[0]:>13} {shown[1]:>12} {shown[2]:>11} {shown[3]:>13}")
     for name, r in payload["ratios"].items():
-        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in r.items()))
+        if r:
+            print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in r.items()))
     for name, g in payload["goals"].items():
         marks = {True: "met", False: "NOT met", None: "n/a"}
         print(f"{name} goals: " + "; ".join(f"{k} {marks[v['met']]}" for k, v in g.items()))

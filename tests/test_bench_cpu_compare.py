@@ -113,8 +113,9 @@ def test_headrace_serve_command_per_weights_mode() -> None:
 class FakeSystem:
     """Tokens every ``gap`` seconds after a ``first`` second TTFT, on a fake clock."""
 
-    def __init__(self, name: str, first: float, gap: float, many_tok_s: float) -> None:
+    def __init__(self, name: str, first: float, gap: float, many_tok_s: float, part_at=None):
         self.name, self.first, self.gap, self.many_tok_s = name, first, gap, many_tok_s
+        self.part_at = part_at  # greedy tokens differ from the others' from here on
         self.last_server: dict = {}
         self.calls: list[str] = []
 
@@ -122,7 +123,10 @@ class FakeSystem:
         self.calls.append(f"run{new_tokens}")
         self.last_server = {"server_ttft_s": self.first}
         stamps = [100.0 + self.first + i * self.gap for i in range(new_tokens)]
-        return stamps, [7] * new_tokens, 100.0
+        ids = [7] * new_tokens
+        if self.part_at is not None:
+            ids[self.part_at :] = [8] * (new_tokens - self.part_at)
+        return stamps, ids, 100.0
 
     def many(self, workload) -> dict:
         self.calls.append("many")
@@ -136,7 +140,7 @@ def _fake_run(reps: int = 3):
     args = cpu_compare.parse_args(["--reps", str(reps), "--num-requests", "6"])
     plan = measure.make_plan(args, VOCAB)
     systems = [FakeSystem("headrace[quantized-int8]", 0.2, 1 / 150, 200.0),
-               FakeSystem("llama.cpp", 0.25, 1 / 120, 125.0),
+               FakeSystem("llama.cpp", 0.25, 1 / 120, 125.0, part_at=100),
                FakeSystem("hf", 1.0, 1 / 30, 50.0)]  # fmt: skip
     lines: list[str] = []
     raw = measure.measure(systems, plan, reps, log=lines.append)
@@ -166,7 +170,7 @@ def test_many_result_counts_tokens_and_refuses_short_runs() -> None:
         measure.many_result([(0.0, None, 1.0, 79)], 1.0, 80)
 
 
-def test_result_summary_ratios_goals_json_and_png(tmp_path, monkeypatch) -> None:
+def test_result_summary_ratios_goals_json_and_png(tmp_path, monkeypatch, capsys) -> None:
     args, plan, _, raw, _ = _fake_run()
     infos = {"headrace[quantized-int8]": {"idle": {"rss_mib": 900.0}},
              "llama.cpp": {"idle": {"rss_mib": 150.0}}, "hf": {}}  # fmt: skip
@@ -187,7 +191,12 @@ def test_result_summary_ratios_goals_json_and_png(tmp_path, monkeypatch) -> None
     assert g["many_vs_llama"]["met"] is None and "note" in g["many_vs_hf_static"]
     issue = report.goals(s, vars(cpu_compare.parse_args([])))["headrace[quantized-int8]"]
     assert issue["many_vs_llama"]["met"] and issue["many_vs_hf_static"]["met"]
+    assert s["llama.cpp"]["greedy_tokens_as_hf"] == [100, 100, 100]
+    assert s["headrace[quantized-int8]"]["greedy_tokens_as_hf"] == [128, 128, 128]
     json.dumps(payload, allow_nan=False)
+    report.print_table(payload)
+    table = capsys.readouterr().out
+    assert "TTFT-512 ms" in table and "many_over_hf_static 4.0" in table
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     report.plot(payload, "test", "cpu-compare")
     assert (tmp_path / "cpu-compare-test.png").stat().st_size > 10_000
