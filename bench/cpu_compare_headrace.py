@@ -56,8 +56,6 @@ def _ready_target(log: str) -> str | None:
 class HeadraceSystem:
     """One ``headrace serve`` process; ``run`` is a bench/decode.py Runner over gRPC."""
 
-    kind = "headrace"
-
     def __init__(self, weights: str, threads: int, extra: list[str], seed: int) -> None:
         self.name = f"headrace[{weights}]"
         self.weights, self.seed = weights, seed

@@ -17,7 +17,8 @@ from offline_workload import Workload
 
 
 class HFSystem:
-    kind = "hf"
+    """The HF model in this process; ``run`` is bench/decode.py's streamer-stamped Runner."""
+
     name = "hf"
 
     def __init__(self, threads: int, static_batch_size: int) -> None:

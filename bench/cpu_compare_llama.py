@@ -117,7 +117,6 @@ def _version(binary: str) -> str:
 class LlamaSystem:
     """One ``llama-server`` process; ``run`` is a bench/decode.py Runner over HTTP."""
 
-    kind = "llama.cpp"
     name = "llama.cpp"
 
     def __init__(self, binary: str, gguf: Path, threads: int, slots: int, slot_ctx: int) -> None:
