@@ -27,7 +27,7 @@ GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
-		awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+		awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
 
 setup: $(STAMP) ## create .venv and install everything (quick when already done)
 
