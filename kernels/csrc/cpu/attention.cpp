@@ -79,8 +79,8 @@ void attend(const float* q, const float* kc, const float* vc, const int32_t* tab
 }
 
 struct Item {
-  int32_t seq, kv_head;
-  int64_t q0, q1;  // queries [q0, q1) of the sequence
+  int32_t seq, h0, h1;  // query heads [h0, h1), all of one KV head's group
+  int64_t q0, q1;       // queries [q0, q1) of the sequence
 };
 
 }  // namespace
@@ -95,14 +95,22 @@ HR_EXPORT void hr_paged_attention(const float* query, const float* key_cache,
                                   int64_t block_size, int64_t table_width, float scale,
                                   float* out) {
   const Shape s{heads, kv_heads, dim, block_size, table_width};
+  const int64_t group = heads / kv_heads;
+  // One item per (sequence, KV head, query tile): its heads share each K/V row loaded. With
+  // too few of those to keep every thread busy (one decoding sequence has 3), one per
+  // query head instead.
+  int64_t tiles = 0;
+  for (int32_t i = 0; i < num_seqs; ++i)
+    tiles += (query_start[i + 1] - query_start[i] + kQTile - 1) / kQTile;
+  const int64_t split = tiles * kv_heads < 4 * omp_get_max_threads() ? group : 1;
   std::vector<Item> items;
   for (int32_t i = 0; i < num_seqs; ++i) {
     const int64_t qlen = query_start[i + 1] - query_start[i];
     for (int64_t q0 = 0; q0 < qlen; q0 += kQTile)
-      for (int32_t g = 0; g < kv_heads; ++g)
-        items.push_back({i, g, q0, std::min(qlen, q0 + kQTile)});
+      for (int32_t h = 0; h < heads; h += static_cast<int32_t>(group / split))
+        items.push_back({i, h, h + static_cast<int32_t>(group / split), q0,
+                         std::min(qlen, q0 + kQTile)});
   }
-  const int64_t group = heads / kv_heads;
   const int64_t count = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) if (count > 1)
   for (int64_t it = 0; it < count; ++it) {
@@ -113,9 +121,9 @@ HR_EXPORT void hr_paged_attention(const float* query, const float* key_cache,
     for (int64_t j = w.q0; j < w.q1; ++j) {
       const int64_t t = query_start[w.seq] + j;
       const int64_t visible = ctx - qlen + j + 1;
-      for (int64_t h = w.kv_head * group; h < (w.kv_head + 1) * group; ++h) {
+      for (int64_t h = w.h0; h < w.h1; ++h) {
         const float* q = query + (t * heads + h) * dim;
-        attend(q, key_cache, value_cache, table, s, w.kv_head, visible, scale,
+        attend(q, key_cache, value_cache, table, s, h / group, visible, scale,
                out + (t * heads + h) * dim);
       }
     }

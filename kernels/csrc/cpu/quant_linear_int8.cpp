@@ -32,7 +32,7 @@ namespace {
 
 constexpr int kGroup = 8;  // blocks per interleaved group (one int32 lane each)
 constexpr int kRows = 4;   // input rows sharing one expansion of a weight group
-constexpr int64_t kAhead = 512;  // bytes ahead to prefetch a row's codes
+constexpr int64_t kAhead = 2048;  // bytes ahead to prefetch a row's codes
 
 // The activations, quantized: per row, every group of 8 blocks interleaved like the weights
 // but always 8 lanes wide (a partial last group zero-padded), so they load without masks.
