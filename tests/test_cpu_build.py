@@ -67,3 +67,21 @@ def test_weights_modes_need_what_they_run_on():
         cpu_execution(DeviceConfig(cpu_kernels="torch", weights="quantized"), CPU, torch.float32)
     with pytest.raises(ValueError, match="float32 only"):
         cpu_execution(DeviceConfig(cpu_kernels="native"), CPU, torch.bfloat16)
+
+
+def test_the_engine_builds_on_one_thread_and_keeps_the_configured_count(monkeypatch):
+    from compute.core.config import EngineConfig
+    from compute.engine import Engine
+
+    seen = []
+    real = Engine._build
+    monkeypatch.setattr(
+        Engine, "_build", lambda self, *a: seen.append(torch.get_num_threads()) or real(self, *a)
+    )
+    before = torch.get_num_threads()
+    try:
+        Engine(EngineConfig(model="dummy:tiny", device=DeviceConfig(device="cpu", num_threads=2)))
+        assert seen == [1], "built on one thread: the constructing thread gets no OpenMP team"
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
