@@ -77,7 +77,9 @@ def projections() -> dict[str, tuple]:
 
 def bench_linear(args) -> list[dict]:
     rows = []
-    for name, (qw, dense) in projections().items():
+    weights = projections()
+    grouped = {name: qw.grouped() for name, (qw, _) in weights.items()}  # the int8 layout
+    for name, (qw, dense) in weights.items():
         dense_t = dense.t().contiguous()
         for n in args.rows:
             if name == "lm_head" and n > 64:
@@ -90,7 +92,7 @@ def bench_linear(args) -> list[dict]:
             row = {"matrix": name, "shape": [qw.rows, qw.cols], "rows": n}
             row["dense_us"] = 1e6 * timed(torch_fp32, args.reps, args.min_ms)
             exact = functools.partial(cpu.quant_linear, x, qw)
-            int8 = functools.partial(cpu.quant_linear, x, qw, int8=True)
+            int8 = functools.partial(cpu.quant_linear, x, grouped[name], int8=True)
             row["quantized_us"] = 1e6 * timed(exact, args.reps, args.min_ms)
             row["quantized_int8_us"] = 1e6 * timed(int8, args.reps, args.min_ms)
             rows.append(row)
@@ -143,7 +145,7 @@ def bench_steps(args) -> list[dict]:
             )
         )
         for batch in (1, 48):
-            params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
             for i in range(batch):
                 engine.add_request(f"{mode}-{batch}-{i}", list(range(100, 164)), params)
             while engine.stats().num_running < batch or any(
@@ -169,7 +171,8 @@ def plot(result: dict, stamp: str) -> None:
         axes[0].bar([i + offset for i in range(len(one))], [r[key] for r in one], 0.27,
                     label=key.removesuffix("_us"))  # fmt: skip
     axes[0].set_xticks(range(len(one)), labels)
-    axes[0].set_ylabel("µs per call (1 row)")
+    axes[0].set_ylabel("µs per call (1 row, log scale)")
+    axes[0].set_yscale("log")
     axes[0].set_title("linear, one row (decode)", fontsize=10)
     axes[0].legend(fontsize=8)
     att = result["attention"]
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     if not cpu.available():
         raise SystemExit("the CPU kernels cannot be built on this machine")
     stamp = common.timestamp()
-    skip = set(args.skip.split(","))
+    skip = {part for part in args.skip.split(",") if part}
     result = {"load_average_start": common.load_average(), "isa": cpu_build.best_isa()}
     for part, fn in (
         ("linear", bench_linear),

@@ -90,7 +90,13 @@ class Engine:
         )
         cfg = loaded.config  # fail now, not at the first step, if the kernels cannot serve it
         ops.check_backend(
-            device, dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, config.cache.block_size
+            device,
+            dtype,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            config.cache.block_size,
+            native_cpu=native,
         )
         model = LlamaModel(
             loaded.config, loaded.weights, native=native, int8=weights == "quantized-int8"

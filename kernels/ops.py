@@ -19,6 +19,7 @@ from kernels.metadata import AttentionMetadata
 log = get_logger(__name__)
 
 REFERENCE = "torch-reference"
+CPU_KERNELS = "cpu-kernels"
 CUDA = "cuda-cupy"
 
 
@@ -53,16 +54,20 @@ def check_backend(
     num_heads: int,
     num_kv_heads: int,
     block_size: int,
+    native_cpu: bool = False,
 ) -> str:
     """The attention backend for a model of these sizes on `device`, ready to run.
 
+    On the CPU: the CPU kernels (kernels/cpu.py) when ``native_cpu``, else the torch
+    reference.
     On CUDA: ValueError naming the option (--dtype, --block-size) or the model's head dim
     when the kernels have no instantiation for it, RuntimeError when CuPy is missing; then
     every kernel the model can call is compiled and loaded (cuda.warm_up). Logs the choice.
     """
     if device.type != "cuda":
-        log.info("attention backend", backend=REFERENCE, device=str(device), dtype=_name(dtype))
-        return REFERENCE
+        backend = CPU_KERNELS if native_cpu else REFERENCE
+        log.info("attention backend", backend=backend, device=str(device), dtype=_name(dtype))
+        return backend
     if dtype not in ATTENTION_DTYPES:
         names = ", ".join(str(t).removeprefix("torch.") for t in ATTENTION_DTYPES)
         raise ValueError(
