@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 import time
 from typing import Any
 
@@ -15,6 +14,7 @@ from cpu_compare_measure import many_result
 from cpu_compare_procs import ServerProcess
 from offline_workload import Workload
 
+from services.bench import launch
 from services.bench.launch import READY
 from services.bench.runner import RunSettings, run_workload
 from services.bench.workload import BenchRequest
@@ -26,26 +26,9 @@ SERVER_DEFAULT = "default"
 
 
 def serve_command(threads: int, weights: str, extra: list[str]) -> list[str]:
-    """``python -m services.cli serve`` from the working tree, on free loopback ports."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--log-level",
-        "warning",
-        "--threads",
-        str(threads),
-    ]
-    if weights != SERVER_DEFAULT:
-        cmd += ["--weights", weights]
-    return cmd + extra
+    """``headrace serve`` from the working tree on free loopback ports, one --weights mode."""
+    mode = [] if weights == SERVER_DEFAULT else ["--weights", weights]
+    return launch.serve_command(["--threads", str(threads), *mode, *extra])
 
 
 def _ready_target(log: str) -> str | None:

@@ -39,13 +39,17 @@ _SIGNATURES = {
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The loaded kernels for this CPU (built first if needed). BuildError if impossible."""
-    isa = cpu_build.best_isa()
-    if isa is None:
-        raise cpu_build.BuildError("this CPU has neither AVX-512 nor AVX2")
-    path = cpu_build.build(isa)
-    lib = ctypes.CDLL(str(path))
+def _load() -> ctypes.CDLL | Exception:
+    """The kernels for this CPU, built first if needed; or why they cannot be (once per
+    process: a failed build is not retried at every call)."""
+    try:
+        isa = cpu_build.best_isa()
+        if isa is None:
+            raise cpu_build.BuildError("this CPU has neither AVX-512 nor AVX2")
+        path = cpu_build.build(isa)
+        lib = ctypes.CDLL(str(path))
+    except (cpu_build.BuildError, OSError) as err:
+        return err
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = args
@@ -54,12 +58,19 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def library() -> ctypes.CDLL:
+    """The loaded kernels; BuildError (or OSError) when this machine cannot have them."""
+    lib = _load()
+    if isinstance(lib, Exception):
+        raise lib
+    return lib
+
+
 def available() -> bool:
     """True when the kernels build and load here; logs why not otherwise."""
-    try:
-        library()
-    except (cpu_build.BuildError, OSError) as err:
-        log.warning("cpu kernels unavailable", reason=str(err).splitlines()[0])
+    lib = _load()
+    if isinstance(lib, Exception):
+        log.warning("cpu kernels unavailable", reason=str(lib).splitlines()[0])
         return False
     return True
 

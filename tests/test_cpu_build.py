@@ -41,10 +41,10 @@ def test_a_missing_compiler_is_a_build_error_naming_it(tmp_path, monkeypatch):
 @pytest.fixture
 def no_kernels(monkeypatch):
     """The kernels as on a CPU without AVX2: library() raises, available() is False."""
-    cpu.library.cache_clear()
+    cpu._load.cache_clear()
     monkeypatch.setattr(cpu_build, "best_isa", lambda flags=None: None)
     yield
-    cpu.library.cache_clear()
+    cpu._load.cache_clear()
 
 
 def test_without_kernels_the_engine_runs_dense_on_torch(no_kernels):

@@ -28,19 +28,9 @@ class LaunchedServer:
     log_path: Path
 
 
-@contextlib.contextmanager
-def launched_server(serve_args: Sequence[str], ready_timeout: float) -> Iterator[tuple[str, str]]:
-    """``headrace serve <serve_args>`` on free ports; yields (gRPC target, metrics URL);
-    SIGTERM (drain) on exit. The server's output goes to a temporary log, shown on failure."""
-    with launched_process(serve_args, ready_timeout) as server:
-        yield server.target, server.metrics_url
-
-
-@contextlib.contextmanager
-def launched_process(serve_args: Sequence[str], ready_timeout: float) -> Iterator[LaunchedServer]:
-    """As ``launched_server``, yielding the process and its log too (the log file lives
-    until the context exits)."""
-    cmd = [
+def serve_command(serve_args: Sequence[str]) -> list[str]:
+    """``headrace serve`` from this interpreter on free loopback ports, quiet logs."""
+    return [
         sys.executable,
         "-m",
         "services.cli",
@@ -55,6 +45,21 @@ def launched_process(serve_args: Sequence[str], ready_timeout: float) -> Iterato
         "warning",
         *serve_args,
     ]
+
+
+@contextlib.contextmanager
+def launched_server(serve_args: Sequence[str], ready_timeout: float) -> Iterator[tuple[str, str]]:
+    """``headrace serve <serve_args>`` on free ports; yields (gRPC target, metrics URL);
+    SIGTERM (drain) on exit. The server's output goes to a temporary log, shown on failure."""
+    with launched_process(serve_args, ready_timeout) as server:
+        yield server.target, server.metrics_url
+
+
+@contextlib.contextmanager
+def launched_process(serve_args: Sequence[str], ready_timeout: float) -> Iterator[LaunchedServer]:
+    """As ``launched_server``, yielding the process and its log too (the log file lives
+    until the context exits)."""
+    cmd = serve_command(serve_args)
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "server.log"
         with log_path.open("w") as log_file:

@@ -35,12 +35,9 @@ constexpr int64_t kXTile = 96;   // input rows a thread keeps hot in L2 (buffere
 // step, and the hardware prefetcher alone left ~40% of the bandwidth unused (2 threads).
 constexpr int64_t kAheadBytes = 4096;
 
-struct Q4_0 {
-  static constexpr int64_t kBytes = 18, kCodeBytes = 16;
-  static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
-    halves_to_float(row + nb * 16, nb, d);
-    for (int64_t b = 0; b < nb; ++b) m[b] = -8.0f * d[b];
-  }
+// Q4_0 and Q4_1 expand alike, d * q + m; Q4_0's m is -8d (gguf's d * (q - 8), exactly).
+struct Nibbles {
+  static constexpr int64_t kCodeBytes = 16;
   static inline void expand(const uint8_t* row, int64_t b, float d, float m, v16f& lo,
                             v16f& hi) {
     nibbles_to_float(row + b * 16, lo, hi);
@@ -49,17 +46,19 @@ struct Q4_0 {
   }
 };
 
-struct Q4_1 {
-  static constexpr int64_t kBytes = 20, kCodeBytes = 16;
+struct Q4_0 : Nibbles {
+  static constexpr int64_t kBytes = 18;
+  static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
+    halves_to_float(row + nb * 16, nb, d);
+    for (int64_t b = 0; b < nb; ++b) m[b] = -8.0f * d[b];
+  }
+};
+
+struct Q4_1 : Nibbles {
+  static constexpr int64_t kBytes = 20;
   static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
     halves_to_float(row + nb * 16, nb, d);
     halves_to_float(row + nb * 18, nb, m);
-  }
-  static inline void expand(const uint8_t* row, int64_t b, float d, float m, v16f& lo,
-                            v16f& hi) {
-    nibbles_to_float(row + b * 16, lo, hi);
-    lo = lo * d + m;
-    hi = hi * d + m;
   }
 };
 
