@@ -112,7 +112,10 @@ HR_EXPORT void hr_paged_attention(const float* query, const float* key_cache,
                          std::min(qlen, q0 + kQTile)});
   }
   const int64_t count = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic, 1) if (count > 1)
+  int64_t work = 0;  // query x visible-key pairs, times the head dimension, over all heads
+  for (int32_t i = 0; i < num_seqs; ++i)
+    work += (query_start[i + 1] - query_start[i]) * context_lens[i] * heads * dim;
+#pragma omp parallel for schedule(dynamic, 1) if (count > 1 && work >= kParallelWork)
   for (int64_t it = 0; it < count; ++it) {
     const Item& w = items[it];
     const int64_t qlen = query_start[w.seq + 1] - query_start[w.seq];

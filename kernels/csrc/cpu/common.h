@@ -14,6 +14,12 @@
 
 #define HR_EXPORT extern "C" __attribute__((visibility("default")))
 
+// Multiply-adds below which a kernel runs on the calling thread alone: a fork-join costs
+// a few microseconds on idle cores, and far more when the cores are shared (another
+// replica, a CPU quota), while this much work takes ~10 us on one core. Tiny models and
+// short decode contexts then never wake the OpenMP team.
+constexpr int64_t kParallelWork = int64_t{1} << 17;
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));

@@ -207,7 +207,7 @@ template <class F>
 void linear(const float* x, int64_t n, int64_t k, const uint8_t* w, int64_t m, float* out,
             const float* bias) {
   const int64_t groups = m / kGroup, tail = groups * kGroup;
-#pragma omp parallel
+#pragma omp parallel if (n * k * m >= kParallelWork)
   {
     const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
     Scratch s;

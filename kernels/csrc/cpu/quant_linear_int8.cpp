@@ -197,7 +197,7 @@ template <class C>
 void linear(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const uint8_t* w,
             int64_t m, float* out, const float* bias, int64_t row_bytes) {
   const int64_t nb = k / 32;
-#pragma omp parallel
+#pragma omp parallel if (n * k * m >= kParallelWork)
   {
     const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
     const int64_t r0 = m * id / threads, r1 = m * (id + 1) / threads;
