@@ -26,6 +26,7 @@ from compute.core.messages import (
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence
+from compute.cpu_threads import available_cpus, default_threads
 from compute.fault_isolation import run_isolating
 from compute.loaders import LoadedModel, load_model
 from compute.log import get_logger
@@ -59,6 +60,9 @@ class Engine:
         device, dtype = resolve_device(config.device.device, config.device.dtype)
         threads = config.device.num_threads or torch.get_num_threads()
         if device.type == "cpu":
+            if config.device.num_threads is None:  # the CPUs this process may use
+                threads = default_threads(threads)
+            log.info("cpu threads", threads=threads, available=available_cpus())
             keep_freed_memory()
             # Built on one thread, so that the constructing thread owns no OpenMP team: the
             # server constructs here and steps in the step-loop thread, and with a second

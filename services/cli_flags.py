@@ -115,7 +115,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--device", "device.device", "auto, cpu, cuda or cuda:N"),
     Flag("--dtype", "device.dtype", "precision",
          choices=("auto", "float32", "float16", "bfloat16")),
-    Flag("--threads", "device.num_threads", "torch CPU threads (none = torch's)", _optional_int),
+    Flag("--threads", "device.num_threads",
+         "CPU threads (none = the CPUs this process may use: affinity mask, cgroup CPU "
+         "quota; replicas sharing a host: cores / replicas each)", _optional_int),
     Flag("--cuda-graphs", "device.cuda_graphs", "CUDA graphs for decode (no effect yet)", _bool),
     Flag("--cpu-kernels", "device.cpu_kernels",
          "CPU steps on the compiled kernels (native, fp32) or torch; auto = native if they build",

@@ -129,7 +129,9 @@ class DeviceConfig:
 
     device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda", "cuda:N"
     dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on GPU), "float32", "float16", "bfloat16"
-    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    # CPU threads (torch and the CPU kernels); None = the CPUs this process may use
+    # (affinity mask, cgroup quota; compute/cpu_threads.py), at most torch's default
+    num_threads: int | None = None
     cuda_graphs: bool = False  # reserved for CUDA-graph decode steps: no effect yet
     # CPU steps on the compiled CPU kernels ("native", fp32 only) or torch ("torch");
     # "auto" = native when they build on this machine and the dtype is fp32.
