@@ -60,9 +60,17 @@ class Engine:
         device, dtype = resolve_device(config.device.device, config.device.dtype)
         threads = config.device.num_threads or torch.get_num_threads()
         if device.type == "cpu":
+            available = available_cpus()
             if config.device.num_threads is None:  # the CPUs this process may use
                 threads = default_threads(threads)
-            log.info("cpu threads", threads=threads, available=available_cpus())
+            elif threads > available:
+                log.warning(
+                    "more CPU threads than CPUs this process may use: they spin-wait for "
+                    "each other at every step (README: Several replicas on one host)",
+                    threads=threads,
+                    available=available,
+                )
+            log.info("cpu threads", threads=threads, available=available)
             keep_freed_memory()
             # Built on one thread, so that the constructing thread owns no OpenMP team: the
             # server constructs here and steps in the step-loop thread, and with a second

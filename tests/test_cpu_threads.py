@@ -102,3 +102,20 @@ def test_engine_applies_the_default_or_the_flag(monkeypatch, flag, expected) -> 
         assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
+
+
+def test_engine_warns_when_the_flag_exceeds_the_cpus(monkeypatch, capsys) -> None:
+    import compute.engine as engine_module
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(engine_module, "available_cpus", lambda: 1)
+    try:
+        config = EngineConfig(
+            model="dummy:tiny",
+            device=DeviceConfig(device="cpu", num_threads=2),
+            cache=CacheConfig(num_blocks=16),
+        )
+        Engine(config)
+    finally:
+        torch.set_num_threads(before)
+    assert "more CPU threads than CPUs this process may use" in capsys.readouterr().out
