@@ -8,7 +8,9 @@ back to back.
 
 A request the engine traced a step failure to (``Engine.take_failed``) gets a
 ``RequestFailed`` alone. An exception out of ``engine.step()`` itself fails the requests
-in the engine at the time; the loop then goes on serving new requests.
+in the engine at the time; the loop then goes on serving new requests, unless that was
+the MAX_FAILED_STEPS-th such step in a row: then the engine is deemed broken and the loop
+stops (``crashed``), as it does on any exception of its own.
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 # What a client sees when the engine failed; the traceback goes to the log only.
 _FAULT_MESSAGE = "the engine failed while running this request"
+# A step whose failure the engine could not pin on one request fails the whole batch; this
+# many in a row means the engine itself is broken (a sticky CUDA error, corrupt state), and
+# a server that kept accepting requests only to fail them would look healthy to its
+# balancer. The loop stops instead, and the server reports NOT_SERVING and exits.
+MAX_FAILED_STEPS = 3
+
+
+class EngineBroken(RuntimeError):
+    """The engine failed MAX_FAILED_STEPS steps in a row."""
+
 
 Inbound = AddRequest | Abort | Shutdown
 Outbound = StepOutputs | RequestFailed
@@ -65,12 +77,18 @@ class StepLoop:
         self.idle_seconds = 0.0
         self._idle_before_step = 0.0  # starved wait since the last step, for StepTiming
         self.stats: EngineStats = engine.stats()  # replaced (not mutated) after every step
-        self.crashed = False  # the loop died on a bug: nothing will serve requests any more
+        # The loop died (a bug, or an engine that failed MAX_FAILED_STEPS steps in a row):
+        # nothing will serve requests any more, and the server shuts down (services/server.py).
+        self.crashed = False
+        self._failed_steps = 0  # consecutive engine.step failures
 
     def run(self) -> None:
         """Thread entry: the event loop, with fatal errors logged and reported."""
         try:
             self.event_loop()
+        except EngineBroken as exc:  # each failed step was logged with its traceback
+            self.crashed = True
+            log.error("step loop stopped: the engine is broken", reason=str(exc))
         except BaseException:
             self.crashed = True
             log.exception("step loop died")
@@ -154,10 +172,15 @@ class StepLoop:
         start = time.monotonic()
         try:
             outs = self._engine.step()
-        except Exception:
+        except Exception as exc:
             log.exception("engine.step failed", num_requests=len(self._in_flight))
             self._fail_all(FailureKind.ENGINE_FAULT, _FAULT_MESSAGE)
+            self._failed_steps += 1
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                message = f"engine.step failed {self._failed_steps} times in a row"
+                raise EngineBroken(message) from exc
             return (), start, time.monotonic()
+        self._failed_steps = 0
         end = time.monotonic()
         for request_id, message in self._engine.take_failed():
             if request_id in self._in_flight:

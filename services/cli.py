@@ -151,8 +151,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     configs = build_configs(args)
     log.configure(configs.log)
-    run(configs.engine, configs.pipeline, configs.server, _announce, configs.tracing)
-    return 0
+    # 1 when the step loop died: the supervisor restarts the server (services/server.py)
+    return run(configs.engine, configs.pipeline, configs.server, _announce, configs.tracing)
 
 
 def _announce(server: Any) -> None:

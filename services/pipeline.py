@@ -203,6 +203,11 @@ class Pipeline:
         return self._stage2.stats
 
     @property
+    def healthy(self) -> bool:
+        """Running, with a live step loop (False once it died: the server then stops)."""
+        return self._state == "running" and not self._stage2.crashed
+
+    @property
     def num_pending(self) -> int:
         return self._admission.count
 

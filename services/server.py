@@ -7,6 +7,12 @@ keepalive from services/connection_config.py (both through ServerConfig).
 SIGINT, ``serve`` drains: health turns NOT_SERVING, new GenerationService calls
 get UNAVAILABLE "server is draining", streams in flight get ``grace_period``
 seconds to finish, then the server stops (a second signal skips the wait).
+
+When the pipeline's step loop dies (compute/step_loop.py: a bug, or an engine that
+failed several steps in a row), every health answer turns NOT_SERVING at once and
+``serve`` drains and returns 1, so that ``headrace serve`` exits non-zero and its
+supervisor (Docker's restart policy, Kubernetes) starts a fresh process instead of a
+balancer sending requests to one that can only fail them.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 GATED_PREFIXES = (SERVICE_PREFIX, WORKER_PREFIX + "Generate")
 
 log = get_logger(__name__)
+
+PIPELINE_CHECK_S = 0.25  # how often the server looks for a dead step loop
 
 
 class DrainGate(grpc.aio.ServerInterceptor):
@@ -122,6 +130,12 @@ class Server:
         self._http: WSGIServer | None = None
         self._hurry = asyncio.Event()
         self._server: grpc.aio.Server | None = None
+        self.failed = asyncio.Event()  # set when the step loop died: serve() then stops
+        self._watch: asyncio.Task | None = None
+
+    def serving(self) -> bool:
+        """What every health answer reports: not draining, and a live step loop."""
+        return not self._gate.draining and self._pipeline.healthy
 
     async def start(self) -> None:
         """Bind, start answering, report SERVING, and start the metrics endpoint."""
@@ -141,7 +155,7 @@ class Server:
             GenerationServicer(self._pipeline, self.config, self._metrics, tracer), self._server
         )
         worker = WorkerServicer(
-            self._pipeline, self.tokenizer_path, lambda: not self.draining, self._metrics, tracer
+            self._pipeline, self.tokenizer_path, self.serving, self._metrics, tracer
         )
         worker_grpc.add_VllmEngineServicer_to_server(worker, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -154,6 +168,7 @@ class Server:
         for service in ("", SERVICE_NAME, WORKER_SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._start_metrics()
+        self._watch = asyncio.create_task(self._watch_pipeline())
         log.info("serving", address=self.config.address, port=self.port)
         self._security.log_posture(self.config.host)
 
@@ -164,11 +179,21 @@ class Server:
             self.config.host,
             self.config.metrics_port,
             self._metrics.registry,
-            serving=lambda: not self._gate.draining,
+            serving=self.serving,
             tls=self._security.http_tls,
             authorize=self._security.http_authorize,
         )
         self.metrics_port = self._http.server_port
+
+    async def _watch_pipeline(self) -> None:
+        while self._pipeline.healthy:
+            await asyncio.sleep(PIPELINE_CHECK_S)
+        log.error(
+            "the step loop stopped: reporting NOT_SERVING and shutting down, so that the "
+            "supervisor starts a fresh server"
+        )
+        await self._health.enter_graceful_shutdown()
+        self.failed.set()
 
     async def drain(self, grace_period: float | None = None) -> None:
         """NOT_SERVING, refuse new calls, let calls in flight finish (bounded), then stop."""
@@ -191,6 +216,9 @@ class Server:
 
     async def stop(self) -> None:
         """Stop at once: calls still open are cancelled (their requests aborted)."""
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self._server is not None:
             await self._server.stop(grace=None)
         if self._http is not None:
@@ -211,8 +239,9 @@ async def serve(
     on_ready: Callable[[Server], None] | None = None,
     tokenizer_path: str = "",
     tracing: Tracing | None = None,
-) -> None:
-    """Serve until SIGTERM/SIGINT, then drain and return."""
+) -> int:
+    """Serve until SIGTERM/SIGINT (then drain and return 0) or until the step loop dies
+    (then drain and return 1)."""
     server = Server(pipeline, config, metrics, tokenizer_path, tracing)
     await server.start()
     signalled = asyncio.Event()
@@ -227,8 +256,12 @@ async def serve(
         loop.add_signal_handler(sig, on_signal)
     if on_ready is not None:
         on_ready(server)
-    await signalled.wait()
+    waits = [asyncio.create_task(signalled.wait()), asyncio.create_task(server.failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
     await server.drain()
+    return 1 if server.failed.is_set() else 0
 
 
 def run(
@@ -237,8 +270,10 @@ def run(
     server_config: ServerConfig,
     on_ready: Callable[[Server], None] | None = None,
     tracing_config: TracingConfig | None = None,
-) -> None:
-    """Load the engine, start the pipeline, serve until a signal, drain, shut down."""
+) -> int:
+    """Load the engine, start the pipeline, serve until a signal, drain, shut down.
+
+    Returns the exit status: 0 after a signal, 1 when the step loop died."""
     from compute.engine import Engine
     from services.metrics import Metrics
     from services.pipeline import Pipeline
@@ -252,7 +287,9 @@ def run(
     pipeline = Pipeline(engine, pipeline_config, metrics)
     pipeline.start()
     try:
-        asyncio.run(serve(pipeline, server_config, metrics, on_ready, tokenizer_path, tracing))
+        return asyncio.run(
+            serve(pipeline, server_config, metrics, on_ready, tokenizer_path, tracing)
+        )
     finally:
         pipeline.stop()
         if tracing is not None:

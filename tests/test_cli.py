@@ -192,3 +192,12 @@ def test_serve_announces_then_drains_and_exits_0_on_sigterm(tmp_path: Path) -> N
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+@pytest.mark.parametrize("status", [0, 1])
+def test_serve_exits_with_the_servers_status(monkeypatch, status: int) -> None:
+    # 1 = the step loop died (services/server.py): the supervisor must see a failure.
+    import services.server
+
+    monkeypatch.setattr(services.server, "run", lambda *args, **kwargs: status)
+    assert cli.main(["serve", "--model", "dummy:tiny"]) == status

@@ -1,0 +1,119 @@
+"""A broken engine stops the server instead of leaving a healthy-looking zombie.
+
+A step that fails for the whole batch fails its requests and the loop goes on; the
+MAX_FAILED_STEPS-th such step in a row stops the step loop. Then every health answer
+(grpc.health.v1, HTTP /health, the worker protocol's HealthCheck) is NOT_SERVING, new
+calls are UNAVAILABLE, and ``serve`` drains and returns 1 (``headrace serve`` exits 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as worker_pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
+
+from compute.step_loop import MAX_FAILED_STEPS
+from services.gen.headrace.v1 import generation_pb2 as pb
+from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
+from services.metrics import Metrics
+from services.pipeline import Pipeline, PipelineConfig
+from services.server import Server, serve
+from services.server_config import ServerConfig
+from tests.conftest import fake_engine
+
+TIMEOUT = 30
+POISON = 7  # a prompt holding this id makes the fake engine's step raise
+
+
+def _wait_until(predicate: Callable[[], bool], timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def _generate(stub, ids: list[int]) -> grpc.StatusCode:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
+    request.stopping.max_tokens = 3
+    try:
+        list(stub.Generate(request, timeout=TIMEOUT))
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def _health(channel: grpc.Channel) -> str:
+    stub = health_pb2_grpc.HealthStub(channel)
+    status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=TIMEOUT).status
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+def _http_health(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_failed_step_between_good_ones_keeps_serving(serve) -> None:
+    running = serve(fake_engine(poison_token=POISON))
+    stub = running.stub()
+    for _ in range(MAX_FAILED_STEPS - 1):  # one short of the limit, in a row
+        assert _generate(stub, [POISON]) == grpc.StatusCode.INTERNAL
+    assert running.pipeline.healthy
+    assert _generate(stub, [5, 6]) == grpc.StatusCode.OK  # a good step resets the count
+    for _ in range(2 * MAX_FAILED_STEPS):  # never MAX_FAILED_STEPS failures in a row
+        assert _generate(stub, [POISON]) == grpc.StatusCode.INTERNAL
+        assert _generate(stub, [5, 6]) == grpc.StatusCode.OK
+    assert running.pipeline.healthy
+    assert _health(running.channel()) == "SERVING"
+
+
+def test_failed_steps_in_a_row_stop_the_step_loop_and_health_says_so(serve) -> None:
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0)
+    running = serve(fake_engine(poison_token=POISON), config=config)
+    stub = running.stub()
+    assert _http_health(running.server.metrics_port) == 200
+    for _ in range(MAX_FAILED_STEPS):
+        assert _generate(stub, [POISON]) == grpc.StatusCode.INTERNAL
+    _wait_until(lambda: not running.pipeline.healthy)
+    assert _http_health(running.server.metrics_port) == 503  # at once, no polling delay
+    worker = worker_grpc.VllmEngineStub(running.channel())
+    assert not worker.HealthCheck(worker_pb.HealthCheckRequest(), timeout=TIMEOUT).healthy
+    _wait_until(lambda: running.server.failed.is_set())
+    assert _health(running.channel()) == "NOT_SERVING"
+    assert _generate(stub, [5, 6]) == grpc.StatusCode.UNAVAILABLE  # refused, not hung
+
+
+def test_serve_drains_and_returns_1_when_the_step_loop_dies() -> None:
+    """``serve`` itself (what `headrace serve` runs), on this test's main thread."""
+    pipeline = Pipeline(fake_engine(poison_token=POISON), PipelineConfig(), Metrics())
+    pipeline.start()
+    codes: list[grpc.StatusCode] = []
+
+    def client(server: Server) -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            codes.extend(_generate(stub, [POISON]) for _ in range(MAX_FAILED_STEPS))
+
+    def on_ready(server: Server) -> None:
+        threading.Thread(target=client, args=(server,), daemon=True).start()
+
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=-1, grace_period=5)
+    started = time.monotonic()
+    try:
+        status = asyncio.run(asyncio.wait_for(serve(pipeline, config, on_ready=on_ready), 60))
+    finally:
+        pipeline.stop()
+    assert status == 1
+    assert codes == [grpc.StatusCode.INTERNAL] * MAX_FAILED_STEPS
+    assert time.monotonic() - started < 30
