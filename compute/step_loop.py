@@ -87,8 +87,9 @@ class StepLoop:
         try:
             self.event_loop()
         except EngineBroken as exc:  # each failed step was logged with its traceback
-            self.crashed = True
+            self.crashed = True  # stage 1 stops submitting (Pipeline._submit checks it)
             log.error("step loop stopped: the engine is broken", reason=str(exc))
+            self._fail_queued()
         except BaseException:
             self.crashed = True
             log.exception("step loop died")
@@ -200,6 +201,18 @@ class StepLoop:
         except Exception:
             log.exception("engine.stats failed")
             return self.stats
+
+    def _fail_queued(self) -> None:
+        """Answer the requests still in the inbox: no step will run them. (One submitted in
+        the instant between its crash check and this drain ends with the server's drain.)"""
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, AddRequest):
+                kind = FailureKind.UNAVAILABLE
+                self._send(RequestFailed(msg.request_id, kind, "the engine is broken"))
 
     def _fail_all(self, kind: FailureKind, message: str) -> None:
         """Abort every request in flight and tell stage 3 why each one ended."""

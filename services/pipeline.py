@@ -240,6 +240,9 @@ class Pipeline:
 
     def _submit(self, req: AddRequest) -> RequestStream:
         """Register with stage 3 first, so stage 2's first output always finds the stream."""
+        if self._stage2.crashed:  # died while this request was tokenized: nothing would answer
+            self._reject("unavailable")
+            raise Unavailable("the server is not accepting requests")
         stream = RequestStream(asyncio.get_running_loop())
         self._stage3.register(req, stream)
         self._inbox.put(req)

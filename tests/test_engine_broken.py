@@ -9,6 +9,7 @@ calls are UNAVAILABLE, and ``serve`` drains and returns 1 (``headrace serve`` ex
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 import urllib.error
@@ -20,7 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as worker_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
 
-from compute.step_loop import MAX_FAILED_STEPS
+from compute.core.messages import AddRequest, FailureKind, RequestFailed
+from compute.core.sampling_params import SamplingParams
+from compute.step_loop import MAX_FAILED_STEPS, StepLoop
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.metrics import Metrics
@@ -117,3 +120,42 @@ def test_serve_drains_and_returns_1_when_the_step_loop_dies() -> None:
     assert status == 1
     assert codes == [grpc.StatusCode.INTERNAL] * MAX_FAILED_STEPS
     assert time.monotonic() - started < 30
+
+
+def _gated_broken_engine():
+    """A fake engine whose every step fails; the last allowed one waits for the test."""
+    engine = fake_engine()
+    engine.entered, engine.release, engine.failed_steps = threading.Event(), threading.Event(), 0
+
+    def step():
+        engine.failed_steps += 1
+        if engine.failed_steps == MAX_FAILED_STEPS:
+            engine.entered.set()
+            engine.release.wait(TIMEOUT)
+        raise RuntimeError("broken engine")
+
+    engine.step = step
+    return engine
+
+
+def test_requests_queued_when_the_engine_breaks_are_answered() -> None:
+    engine, inbox, sent = _gated_broken_engine(), queue.Queue(), []
+    loop = StepLoop(engine, inbox, sent.append, lambda: None)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+
+    def add(rid: str) -> None:
+        inbox.put(AddRequest(rid, (5,), SamplingParams(max_tokens=2), 0, time.monotonic()))
+
+    for i in range(MAX_FAILED_STEPS - 1):
+        add(f"bad{i}")
+        _wait_until(lambda i=i: f"bad{i}" in engine.aborted)
+    add("last")
+    assert engine.entered.wait(TIMEOUT)  # the third failing step is running
+    add("queued")  # arrives while it runs: no step will ever take it
+    engine.release.set()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive() and loop.crashed
+    failures = {m.request_id: m.kind for m in sent if isinstance(m, RequestFailed)}
+    assert failures["last"] is FailureKind.ENGINE_FAULT
+    assert failures["queued"] is FailureKind.UNAVAILABLE
