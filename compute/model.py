@@ -131,6 +131,16 @@ class LlamaModel:
             self.dtype,
         )
         self.scale = config.head_dim**-0.5
+        self.int8 = int8
+        # Every layer in one kernel call (kernels/cpu.py decoder_layers) when every
+        # projection is quantized: bit-identical to the per-op path, ~1.4 ms less Python
+        # per step. Tests turn it off to compare the two.
+        self.fused_layers = native and all(
+            p.quantized is not None
+            for layer in self.layers
+            for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        )
+        self._table: tuple[tuple[int, ...], torch.Tensor] | None = None  # (cache ptrs, table)
 
     @torch.inference_mode()
     def forward(
@@ -145,6 +155,13 @@ class LlamaModel:
             cpu.use_torch_threads()
         hidden = self._embed(token_ids)  # the residual stream, updated in place
         x = self._rms_norm(hidden, self.layers[0].input_norm)
+        if self.fused_layers and sum(meta.query_lens) == token_ids.shape[0]:
+            cfg, (key_cache, value_cache) = self.config, kv_caches[0]
+            return cpu.decoder_layers(
+                self._decoder_table(kv_caches), self.int8, x, hidden, positions,
+                self.rope.cos, self.rope.sin, key_cache, value_cache, meta, cfg.num_heads,
+                cfg.intermediate_size, cfg.rms_norm_eps, self.scale,
+            )  # fmt: skip
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm, (key_cache, value_cache) in zip(
             self.layers, norms, kv_caches, strict=True
@@ -156,6 +173,13 @@ class LlamaModel:
             x = self._add_norm(attn, hidden, layer.post_norm, check)
             x = self._add_norm(self._mlp(x, layer, check), hidden, next_norm, check)
         return x
+
+    def _decoder_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """decoder_layers' table, rebuilt only when the caches are other tensors."""
+        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if self._table is None or self._table[0] != key:
+            self._table = (key, cpu.decoder_table(self.layers, self.norm, kv_caches))
+        return self._table[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

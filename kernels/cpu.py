@@ -35,7 +35,11 @@ _SIGNATURES = {
     "hr_paged_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P),
     "hr_rope_and_cache": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
     "hr_set_num_threads": (_I,),
+    # layers .. eps, positions .. scale, six scratch buffers
+    "hr_decoder_layers": (_P, _I, _I, _P, _P, *[_I] * 6, _F, *[_P] * 7, _I, _I, _I, _F, *[_P] * 6),
 }
+# Fields per layer of decoder_table (kernels/csrc/cpu/decoder.cpp kLayerFields).
+_LAYER_FIELDS = 20
 
 
 @functools.cache
@@ -300,3 +304,91 @@ def paged_attention(
         out.data_ptr(),
     )
     return out
+
+
+def decoder_table(layers: list, final_norm: Tensor, kv_caches: list) -> Tensor:
+    """The int64 table hr_decoder_layers reads: per layer the four projections (weight,
+    block format, rows, bias or 0), post-attention norm, next input norm, K and V caches.
+
+    ``layers``: compute.model.LayerWeights whose projections are all quantized, in the
+    layout their kernel reads (checked here, once per table, not per step)."""
+    table = torch.zeros(len(layers), _LAYER_FIELDS, dtype=torch.int64)
+    norms = [layer.input_norm for layer in layers[1:]] + [final_norm]
+    for i, (layer, next_norm, (key_cache, value_cache)) in enumerate(
+        zip(layers, norms, kv_caches, strict=True)
+    ):
+        row = []
+        for projection in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            weight, bias = projection.quantized, projection.bias
+            if weight is None or weight.grouped_layout != projection.int8:
+                raise ValueError("layers: every projection must be quantized, in its layout")
+            if bias is not None:
+                _check("bias", bias, torch.float32, (weight.rows,))
+            bias_ptr = 0 if bias is None else bias.data_ptr()
+            row += [weight.data.data_ptr(), weight.format.code, weight.rows, bias_ptr]
+        for name, t in (("post_norm", layer.post_norm), ("next_norm", next_norm)):
+            _check(name, t, torch.float32, (layer.qkv.quantized.cols,))
+        _check("key_cache", key_cache, torch.float32, (None, None, None, None))
+        _check("value_cache", value_cache, torch.float32, key_cache.shape)
+        row += [layer.post_norm.data_ptr(), next_norm.data_ptr()]
+        row += [key_cache.data_ptr(), value_cache.data_ptr()]
+        table[i] = torch.tensor(row, dtype=torch.int64)
+    return table
+
+
+def decoder_layers(
+    table: Tensor,
+    int8: bool,
+    x: Tensor,
+    hidden: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    meta: AttentionMetadata,
+    num_heads: int,
+    intermediate: int,
+    eps: float,
+    scale: float,
+    check: bool = True,
+) -> Tensor:
+    """Every decoder layer in one call (kernels/csrc/cpu/decoder.cpp): x [T, H] is the first
+    layer's normed input, hidden [T, H] the residual stream (updated in place); returns the
+    output after the final norm. Bit-identical to the per-op launchers in the same order.
+
+    ``key_cache``/``value_cache``: the first layer's, for the checks (every layer's cache
+    has their shape: decoder_table). Needs every query row in a sequence (no padding)."""
+    tokens, h = x.shape
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    q = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
+    if check:
+        _check("x", x, torch.float32, (tokens, h))
+        _check("hidden", hidden, torch.float32, (tokens, h))
+        _check("positions", positions, torch.int64, (tokens,))
+        _check("slot_mapping", meta.slot_mapping, torch.int64, (tokens,))
+        _check("cos", cos, torch.float32, (None, head_dim))
+        _check("sin", sin, torch.float32, cos.shape)
+        _check("table", table, torch.int64, (None, _LAYER_FIELDS))
+        check_attention(q, key_cache, value_cache, meta)
+        if sum(meta.query_lens) != tokens:
+            raise ValueError("meta: every query row must belong to a sequence")
+        if tokens and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
+            raise ValueError(f"positions must be in [0, {cos.shape[0]})")
+    qkv = torch.empty(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.float32)
+    attn = torch.empty(tokens, num_heads * head_dim, dtype=torch.float32)
+    tmp = torch.empty(tokens, h, dtype=torch.float32)
+    gate_up = torch.empty(tokens, 2 * intermediate, dtype=torch.float32)
+    act = torch.empty(tokens, intermediate, dtype=torch.float32)
+    if tokens:
+        library().hr_decoder_layers(
+            table.data_ptr(), table.shape[0], int(int8), x.data_ptr(), hidden.data_ptr(),
+            tokens, h, num_heads, num_kv_heads, head_dim, intermediate, eps,
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+            meta.block_tables.data_ptr(), meta.context_lens.data_ptr(),
+            meta.query_start_loc.data_ptr(), meta.num_seqs, block_size,
+            meta.block_tables.shape[1], scale,
+            qkv.data_ptr(), q.data_ptr(), attn.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(),
+            act.data_ptr(),
+        )  # fmt: skip
+    return x

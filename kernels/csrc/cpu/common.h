@@ -131,3 +131,25 @@ static inline v16f exp16(v16f x) {
   v16f out = p * scale;
   return under != 0.0f ? v16f{} : out;
 }
+
+// The entry points, declared once so that every file (decoder.cpp chains them) sees the
+// same signatures the definitions have.
+HR_EXPORT void hr_quant_linear(int64_t format, const float* x, int64_t n, int64_t k,
+                               const uint8_t* w, int64_t m, float* out, const float* bias);
+HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k,
+                                    const uint8_t* w, int64_t m, float* out, const float* bias);
+HR_EXPORT void hr_rms_norm(const float* x, const float* weight, float* out, int64_t n, int64_t h,
+                           float eps);
+HR_EXPORT void hr_add_rms_norm(const float* x, float* residual, const float* weight, float* out,
+                               int64_t n, int64_t h, float eps);
+HR_EXPORT void hr_silu_mul(const float* gate_up, float* out, int64_t n, int64_t inter);
+HR_EXPORT void hr_paged_attention(const float* query, const float* key_cache,
+                                  const float* value_cache, const int32_t* block_tables,
+                                  const int32_t* context_lens, const int32_t* query_start,
+                                  int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
+                                  int64_t block_size, int64_t table_width, float scale,
+                                  float* out);
+HR_EXPORT void hr_rope_and_cache(const float* qkv, const int64_t* positions, const float* cos,
+                                 const float* sin, const int64_t* slot_mapping, int64_t tokens,
+                                 int64_t heads, int64_t kv_heads, int64_t dim, float* q_out,
+                                 float* key_cache, float* value_cache);

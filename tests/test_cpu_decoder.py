@@ -1,0 +1,101 @@
+"""hr_decoder_layers (every layer in one call) against the per-op CPU path it replaces.
+
+It chains the same kernels with the same arguments, so on the embedded model, for a mixed
+batch of prefill chunks and decodes, its hidden states and the K/V it writes must be
+bit-identical to the per-op launchers', for the exact and the int8 numerics alike.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compute.loaders import load_model
+from compute.model import LlamaModel
+from kernels import cpu
+from kernels.metadata import AttentionMetadata
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", params=["quantized", "quantized-int8"])
+def model(request) -> LlamaModel:
+    loaded = load_model("default", dtype=torch.float32, device=torch.device("cpu"), quantized=True)
+    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=request.param.endswith("8"))
+    assert model.fused_layers  # every projection of the default model is quantized
+    return model
+
+
+def _caches(model: LlamaModel, num_blocks: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """Random caches: the keys before each sequence's new tokens must hold something."""
+    cfg, g = model.config, torch.Generator().manual_seed(seed)
+    shape = (num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    return [
+        (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        for _ in range(cfg.num_layers)
+    ]
+
+
+def _step(query_lens: list[int], context_lens: list[int]):
+    tables, next_block = [], 0
+    for ctx in context_lens:
+        n = -(-ctx // BLOCK)
+        tables.append(list(range(next_block + n - 1, next_block - 1, -1)))  # scattered order
+        next_block += n
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, BLOCK)
+    positions = torch.tensor(
+        [p for q, c in zip(query_lens, context_lens, strict=True) for p in range(c - q, c)],
+        dtype=torch.int64,
+    )
+    return meta, positions, next_block
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [
+        ([1], [1]),  # the first token of a sequence
+        ([1, 1, 1], [40, 7, 130]),  # decodes
+        ([23, 1, 5, 1], [23, 60, 37, 17]),  # prefill chunks beside decodes
+        ([200], [200]),  # one long prefill: the buffered GEMM kernels
+    ],
+)
+def test_fused_layers_are_bit_identical_to_the_per_op_path(
+    model, query_lens, context_lens, monkeypatch
+):
+    calls = []
+    fused_call = cpu.decoder_layers
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused_call(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "decoder_layers", counted)
+    meta, positions, blocks = _step(query_lens, context_lens)
+    tokens = int(sum(query_lens))
+    g = torch.Generator().manual_seed(tokens)
+    token_ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=g)
+    results = []
+    for fused in (False, True):
+        model.fused_layers = fused
+        caches = _caches(model, blocks, seed=7)
+        out = model.forward(token_ids, positions, caches, meta)
+        results.append((out, caches))
+    model.fused_layers = True
+    (ref, ref_caches), (out, caches) = results
+    assert calls == [1]  # the second forward took the fused path, the first did not
+    assert torch.equal(out, ref)
+    for (k0, v0), (k1, v1) in zip(ref_caches, caches, strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+def test_the_table_rejects_a_dense_projection(model) -> None:
+    layer = model.layers[0]
+    saved = layer.o_proj.quantized
+    layer.o_proj.quantized = None
+    try:
+        with pytest.raises(ValueError, match="every projection must be quantized"):
+            cpu.decoder_table(model.layers, model.norm, _caches(model, 1, seed=0))
+    finally:
+        layer.o_proj.quantized = saved
