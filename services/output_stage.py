@@ -69,6 +69,9 @@ def _put_all(items: list[tuple[RequestStream, Event]]) -> None:
         stream.put(event)
 
 
+_OUTPUT_FAULT = "the server failed while streaming this request"
+
+
 class OutputStage:
     """Stage 3 workers plus the registry of live request streams."""
 
@@ -86,6 +89,7 @@ class OutputStage:
         self._lock = threading.Lock()
         self._requests: dict[str, RequestState] = {}
         self._closed = False
+        self.crashed = False  # a worker died: its requests would never end (the server stops)
 
     # -- called from the facade (asyncio thread) and stage 2 ---------------------------
 
@@ -147,8 +151,18 @@ class OutputStage:
         try:
             self.event_loop(shard)
         except BaseException:
+            self.crashed = True
             log.exception("output worker died", shard=shard)
+            self._fail_shard(shard)  # its requests would wait for events that never come
             raise
+
+    def _fail_shard(self, shard: int) -> None:
+        with self._lock:
+            states = [s for rid, s in self._requests.items() if self._shard(rid) == shard]
+        deliveries = Deliveries()
+        for state in states:
+            self._fail(state, deliveries)
+        deliveries.send()
 
     def event_loop(self, shard: int) -> None:
         inbox = self._inboxes[shard]
@@ -175,13 +189,26 @@ class OutputStage:
             state = self._lookup(output.request_id)
             if state is None:
                 continue  # cancelled or already ended by a stop string
-            outcome = state.on_output(output, step.step_start, now)
+            try:
+                outcome = state.on_output(output, step.step_start, now)
+            except Exception:  # a bug met by this request's output: it alone ends
+                log.exception("output stage failed on a request", request_id=state.request_id)
+                self._fail(state, deliveries)
+                continue
             self._observe(state, outcome, now)
             deliveries.add(state.stream, outcome.events)
             if outcome.done:
                 self.release(state.request_id)
             if outcome.abort_engine:
                 self._send_abort(state.request_id)
+
+    def _fail(self, state: RequestState, deliveries: Deliveries) -> None:
+        """End one request with INTERNAL and free it in the engine; the others go on."""
+        if self.release(state.request_id):
+            deliveries.add(state.stream, [EngineFault(_OUTPUT_FAULT)])
+            self._send_abort(state.request_id)
+            if self._metrics is not None:
+                self._metrics.observe_finished("error")
 
     def _on_failed(self, msg: RequestFailed, deliveries: Deliveries) -> None:
         state = self._lookup(msg.request_id)

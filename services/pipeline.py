@@ -204,8 +204,9 @@ class Pipeline:
 
     @property
     def healthy(self) -> bool:
-        """Running, with a live step loop (False once it died: the server then stops)."""
-        return self._state == "running" and not self._stage2.crashed
+        """Running, with a live step loop and output workers (False once one died: the
+        server then stops)."""
+        return self._state == "running" and not (self._stage2.crashed or self._stage3.crashed)
 
     @property
     def num_pending(self) -> int:
@@ -218,7 +219,7 @@ class Pipeline:
     # -- generate's steps -------------------------------------------------------------
 
     def _admit(self) -> None:
-        if self._state != "running" or self._stage2.crashed:
+        if not self.healthy:
             self._reject("unavailable")
             raise Unavailable("the server is not accepting requests")
         if not self._admission.try_acquire():
@@ -240,7 +241,7 @@ class Pipeline:
 
     def _submit(self, req: AddRequest) -> RequestStream:
         """Register with stage 3 first, so stage 2's first output always finds the stream."""
-        if self._stage2.crashed:  # died while this request was tokenized: nothing would answer
+        if not self.healthy:  # a stage died while this request was tokenized: nothing would answer
             self._reject("unavailable")
             raise Unavailable("the server is not accepting requests")
         stream = RequestStream(asyncio.get_running_loop())

@@ -15,8 +15,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as worker_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
@@ -159,3 +161,55 @@ def test_requests_queued_when_the_engine_breaks_are_answered() -> None:
     failures = {m.request_id: m.kind for m in sent if isinstance(m, RequestFailed)}
     assert failures["last"] is FailureKind.ENGINE_FAULT
     assert failures["queued"] is FailureKind.UNAVAILABLE
+
+
+def _stream_code(running, request_id: str, max_tokens: int = 3) -> tuple[str, str]:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]))
+    request.stopping.max_tokens = max_tokens
+    metadata = (("x-request-id", request_id),)
+    try:
+        list(running.stub().Generate(request, timeout=TIMEOUT, metadata=metadata))
+    except grpc.RpcError as exc:
+        return exc.code().name, exc.details()
+    return "OK", ""
+
+
+def test_an_output_stage_fault_fails_only_its_request(serve, monkeypatch) -> None:
+    from services.request_state import RequestState
+
+    on_output = RequestState.on_output
+
+    def faulty(self, output, step_start, now):
+        if output.request_id.startswith("bad"):
+            raise RuntimeError("a detokenizer bug")
+        return on_output(self, output, step_start, now)
+
+    monkeypatch.setattr(RequestState, "on_output", faulty)
+    running = serve(fake_engine(step_delay=0.005))
+    with ThreadPoolExecutor(2) as pool:
+        good = pool.submit(_stream_code, running, "good", 40)
+        bad = pool.submit(_stream_code, running, "bad", 1000)  # aborted long before its end
+        assert bad.result(TIMEOUT) == ("INTERNAL", "the server failed while streaming this request")
+        assert good.result(TIMEOUT) == ("OK", "")
+    _wait_until(lambda: any(r.startswith("bad") for r in running.engine.aborted))
+    assert running.pipeline.healthy and _health(running.channel()) == "SERVING"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_output_worker_fails_its_requests_and_stops_the_server(serve, monkeypatch):
+    from services.output_stage import OutputStage
+
+    on_step = OutputStage._on_step
+
+    def dying(self, step, deliveries):
+        if any(o.request_id.startswith("bad") for o in step.outputs):
+            raise RuntimeError("an output-stage bug outside any one request")
+        return on_step(self, step, deliveries)
+
+    monkeypatch.setattr(OutputStage, "_on_step", dying)
+    running = serve(fake_engine(step_delay=0.005))
+    assert _stream_code(running, "first") == ("OK", "")
+    assert _stream_code(running, "bad")[0] == "INTERNAL"  # ended at once, not left hanging
+    _wait_until(lambda: running.server.failed.is_set())
+    assert not running.pipeline.healthy and _health(running.channel()) == "NOT_SERVING"
+    assert _stream_code(running, "after")[0] == "UNAVAILABLE"
