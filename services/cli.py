@@ -151,7 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     configs = build_configs(args)
     log.configure(configs.log)
-    # 1 when the step loop died: the supervisor restarts the server (services/server.py)
+    # 1 when a pipeline stage died: the supervisor restarts the server (services/server.py)
     return run(configs.engine, configs.pipeline, configs.server, _announce, configs.tracing)
 
 

@@ -8,8 +8,9 @@ SIGINT, ``serve`` drains: health turns NOT_SERVING, new GenerationService calls
 get UNAVAILABLE "server is draining", streams in flight get ``grace_period``
 seconds to finish, then the server stops (a second signal skips the wait).
 
-When the pipeline's step loop dies (compute/step_loop.py: a bug, or an engine that
-failed several steps in a row), every health answer turns NOT_SERVING at once and
+When a pipeline stage dies (the step loop, compute/step_loop.py: a bug, or an engine
+that failed several steps in a row; or an output worker), every health answer turns
+NOT_SERVING at once and
 ``serve`` drains and returns 1, so that ``headrace serve`` exits non-zero and its
 supervisor (Docker's restart policy, Kubernetes) starts a fresh process instead of a
 balancer sending requests to one that can only fail them.
@@ -61,7 +62,7 @@ GATED_PREFIXES = (SERVICE_PREFIX, WORKER_PREFIX + "Generate")
 
 log = get_logger(__name__)
 
-PIPELINE_CHECK_S = 0.25  # how often the server looks for a dead step loop
+PIPELINE_CHECK_S = 0.25  # how often the server looks for a dead pipeline stage
 
 
 class DrainGate(grpc.aio.ServerInterceptor):
@@ -130,11 +131,11 @@ class Server:
         self._http: WSGIServer | None = None
         self._hurry = asyncio.Event()
         self._server: grpc.aio.Server | None = None
-        self.failed = asyncio.Event()  # set when the step loop died: serve() then stops
+        self.failed = asyncio.Event()  # set when a pipeline stage died: serve() then stops
         self._watch: asyncio.Task | None = None
 
     def serving(self) -> bool:
-        """What every health answer reports: not draining, and a live step loop."""
+        """What every health answer reports: not draining, and a live pipeline."""
         return not self._gate.draining and self._pipeline.healthy
 
     async def start(self) -> None:
@@ -189,7 +190,7 @@ class Server:
         while self._pipeline.healthy:
             await asyncio.sleep(PIPELINE_CHECK_S)
         log.error(
-            "the step loop stopped: reporting NOT_SERVING and shutting down, so that the "
+            "a pipeline stage stopped: reporting NOT_SERVING and shutting down, so that the "
             "supervisor starts a fresh server"
         )
         await self._health.enter_graceful_shutdown()
@@ -240,7 +241,7 @@ async def serve(
     tokenizer_path: str = "",
     tracing: Tracing | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT (then drain and return 0) or until the step loop dies
+    """Serve until SIGTERM/SIGINT (then drain and return 0) or until a pipeline stage dies
     (then drain and return 1)."""
     server = Server(pipeline, config, metrics, tokenizer_path, tracing)
     await server.start()
@@ -273,7 +274,7 @@ def run(
 ) -> int:
     """Load the engine, start the pipeline, serve until a signal, drain, shut down.
 
-    Returns the exit status: 0 after a signal, 1 when the step loop died."""
+    Returns the exit status: 0 after a signal, 1 when a pipeline stage died."""
     from compute.engine import Engine
     from services.metrics import Metrics
     from services.pipeline import Pipeline
