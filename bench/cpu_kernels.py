@@ -78,7 +78,7 @@ def projections() -> dict[str, tuple]:
 def bench_linear(args) -> list[dict]:
     rows = []
     weights = projections()
-    grouped = {name: qw.grouped() for name, (qw, _) in weights.items()}  # the int8 layout
+    tiled = {name: qw.tiled() for name, (qw, _) in weights.items()}  # the int8 layout
     for name, (qw, dense) in weights.items():
         dense_t = dense.t().contiguous()
         for n in args.rows:
@@ -92,7 +92,7 @@ def bench_linear(args) -> list[dict]:
             row = {"matrix": name, "shape": [qw.rows, qw.cols], "rows": n}
             row["dense_us"] = 1e6 * timed(torch_fp32, args.reps, args.min_ms)
             exact = functools.partial(cpu.quant_linear, x, qw)
-            int8 = functools.partial(cpu.quant_linear, x, grouped[name], int8=True)
+            int8 = functools.partial(cpu.quant_linear, x, tiled[name], int8=True)
             row["quantized_us"] = 1e6 * timed(exact, args.reps, args.min_ms)
             row["quantized_int8_us"] = 1e6 * timed(int8, args.reps, args.min_ms)
             rows.append(row)

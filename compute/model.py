@@ -44,7 +44,7 @@ class Projection:
         self.bias, self.int8 = bias, int8
         self.quantized = weight if isinstance(weight, QuantizedWeight) else None
         if self.quantized is not None and int8:
-            self.quantized = self.quantized.grouped()  # the int8 kernel's layout
+            self.quantized = self.quantized.tiled()  # the int8 kernel's layout
         self.weight = None if self.quantized else weight.contiguous()
         on_cpu = self.weight is not None and self.weight.device.type == "cpu"
         self.weight_t = self.weight.t().contiguous() if on_cpu else None

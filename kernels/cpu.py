@@ -28,7 +28,7 @@ _SIGNATURES = {
     "hr_quant_linear": (_I, _P, _I, _I, _P, _I, _P, _P),
     "hr_quant_linear_int8": (_I, _P, _I, _I, _P, _I, _P, _P),
     "hr_dequantize_rows": (_I, _P, _I, _P, _I, _P),
-    "hr_dequantize_grouped": (_I, _P, _I, _P, _I, _P),
+    "hr_dequantize_tiled": (_I, _P, _I, _P, _I, _P),
     "hr_rms_norm": (_P, _P, _P, _I, _I, _F),
     "hr_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
     "hr_silu_mul": (_P, _P, _I, _I),
@@ -108,11 +108,11 @@ def quant_linear(
 
     ``int8``: x is quantized to int8 per block of 32 first (quantize_activations) and the
     products are integer dot products, as llama.cpp computes (the weight must be in the
-    grouped layout, ``weight.grouped()``); otherwise exact fp32 math (the per-row layout)."""
+    tiled layout, ``weight.tiled()``); otherwise exact fp32 math (the per-row layout)."""
     if check:
         _check("x", x, torch.float32, (None, weight.cols))
-        if weight.grouped_layout != int8:
-            layout = "grouped (weight.grouped())" if int8 else "per-row"
+        if weight.tiled_layout != int8:
+            layout = "tiled (weight.tiled())" if int8 else "per-row"
             raise ValueError(
                 f"weight: the {'int8' if int8 else 'fp32'} kernel reads the {layout} layout"
             )
@@ -164,7 +164,9 @@ def quantize_activations(x: Tensor) -> Tensor:
     per block of 32, dx = max|x| / 127 and x ~ round(x / dx) * dx."""
     blocks = x.reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A true division (a Python scalar over a tensor becomes reciprocal x 127 in torch,
+    # an ulp away at times, enough to round a code the other way).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
 
 
@@ -178,7 +180,7 @@ def dequantize_rows(weight: QuantizedWeight, rows: Tensor | None = None) -> Tens
     out = torch.empty(count, weight.cols, dtype=torch.float32)
     if count:
         lib = library()
-        fn = lib.hr_dequantize_grouped if weight.grouped_layout else lib.hr_dequantize_rows
+        fn = lib.hr_dequantize_tiled if weight.tiled_layout else lib.hr_dequantize_rows
         fn(
             weight.format.code,
             weight.data.data_ptr(),
@@ -320,7 +322,7 @@ def decoder_table(layers: list, final_norm: Tensor, kv_caches: list) -> Tensor:
         row = []
         for projection in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
             weight, bias = projection.quantized, projection.bias
-            if weight is None or weight.grouped_layout != projection.int8:
+            if weight is None or weight.tiled_layout != projection.int8:
                 raise ValueError("layers: every projection must be quantized, in its layout")
             if bias is not None:
                 _check("bias", bias, torch.float32, (weight.rows,))

@@ -74,10 +74,10 @@ def test_quant_linear_checks_its_arguments():
     weight = QuantizedWeight.from_gguf("q8_0", random_blocks("q8_0", 4, 64), 64)
     with pytest.raises(ValueError, match="x must have shape"):
         cpu.quant_linear(torch.randn(2, 32), weight)
-    with pytest.raises(ValueError, match="the int8 kernel reads the grouped"):
+    with pytest.raises(ValueError, match="the int8 kernel reads the tiled"):
         cpu.quant_linear(torch.randn(2, 64), weight, int8=True)
     with pytest.raises(ValueError, match="the fp32 kernel reads the per-row"):
-        cpu.quant_linear(torch.randn(2, 64), weight.grouped())
+        cpu.quant_linear(torch.randn(2, 64), weight.tiled())
     with pytest.raises(ValueError, match="x must be a contiguous CPU torch.float32"):
         cpu.quant_linear(torch.randn(2, 64, dtype=torch.float64), weight)
 
@@ -178,27 +178,33 @@ def test_paged_attention_is_batch_invariant_bitwise():
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("cols", [64, 256, 576, 1536])  # 2, 8, 18 and 48 blocks
-def test_grouped_layout_holds_the_same_weights(fmt, cols):
-    plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 6, cols, seed=cols), cols)
-    grouped = plain.grouped()
-    assert grouped.grouped_layout and grouped.data.shape == plain.data.shape
-    assert torch.equal(grouped.codes(), plain.codes())
-    assert torch.equal(grouped.dequantize(), plain.dequantize())
-    assert torch.equal(cpu.dequantize_rows(grouped), plain.dequantize())
-    rows = torch.tensor([4, 1], dtype=torch.int64)
-    assert torch.equal(cpu.dequantize_rows(grouped, rows), plain.dequantize()[rows])
-    if cols >= 256:
-        assert not torch.equal(grouped.data, plain.data), "8 or more blocks get interleaved"
+@pytest.mark.parametrize("cols", [32, 64, 576])
+@pytest.mark.parametrize("rows", [1, 16, 21])  # one partial tile, one whole, one and a part
+def test_tiled_layout_holds_the_same_weights(fmt, cols, rows):
+    plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, cols, seed=cols), cols)
+    tiled = plain.tiled()
+    padded = -(-rows // 16) * 16
+    assert tiled.tiled_layout and tiled.data.shape == (padded, plain.data.shape[1])
+    assert tiled.shape == plain.shape
+    assert torch.equal(tiled.codes(), plain.codes())
+    assert torch.equal(tiled.scales(), plain.scales())
+    assert torch.equal(tiled.dequantize(), plain.dequantize())
+    assert torch.equal(cpu.dequantize_rows(tiled), plain.dequantize())
+    picked = torch.tensor([rows - 1, 0, rows - 1], dtype=torch.int64)
+    assert torch.equal(cpu.dequantize_rows(tiled, picked), plain.dequantize()[picked])
+    if rows > 1:
+        assert not torch.equal(tiled.data[:rows], plain.data), "rows are interleaved"
+    with pytest.raises(ValueError, match="tiled layout"):
+        tiled.take_rows(picked)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("n", [1, 3, 4, 9, 64])
-@pytest.mark.parametrize("cols", [64, 288, 576])  # 2, 9 and 18 blocks: groups of 8 + the rest
-def test_int8_linear_is_the_exact_product_of_quantized_activations(fmt, n, cols):
-    rows = 13
+@pytest.mark.parametrize("n", [1, 3, 8, 15, 100])  # register tiles of 8 rows + the rest
+@pytest.mark.parametrize("cols", [32, 576])
+@pytest.mark.parametrize("rows", [13, 37])  # a partial tile; two whole ones and a partial
+def test_int8_linear_is_the_exact_product_of_quantized_activations(fmt, n, cols, rows):
     plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, cols, seed=n + cols), cols)
-    weight = plain.grouped()
+    weight = plain.tiled()
     x = torch.randn(n, cols)
     x[0, :32] = 0.0  # an all-zero block quantizes to zeros, not NaN
     bias = torch.randn(rows)
@@ -211,8 +217,46 @@ def test_int8_linear_is_the_exact_product_of_quantized_activations(fmt, n, cols)
 
 
 def test_int8_linear_rows_do_not_depend_on_the_batch():
-    weight = QuantizedWeight.from_gguf("q4_1", random_blocks("q4_1", 24, 576), 576).grouped()
-    x = torch.randn(11, 576)
+    weight = QuantizedWeight.from_gguf("q4_1", random_blocks("q4_1", 40, 576), 576).tiled()
+    x = torch.randn(150, 576)  # more than one 64-row tile of inputs
     whole = cpu.quant_linear(x, weight, int8=True)
-    for n in (1, 2, 4, 5):
+    for n in (1, 2, 4, 5, 8, 9, 17, 70):
         assert torch.equal(cpu.quant_linear(x[:n].contiguous(), weight, int8=True), whole[:n])
+
+
+def _isa_library(isa: str):
+    """The kernels built for `isa` (this CPU must run it), with the int8 linear's signature."""
+    import ctypes
+
+    from kernels import cpu_build
+
+    lib = ctypes.CDLL(str(cpu_build.build(isa)))
+    lib.hr_quant_linear_int8.argtypes = cpu._SIGNATURES["hr_quant_linear_int8"]
+    lib.hr_quant_linear_int8.restype = None
+    return lib
+
+
+def test_int8_linear_gives_the_same_bits_on_every_isa():
+    """VNNI, AVX-512 without it (maddubs, Q8_0 split in nibbles) and AVX2 (two halves) all
+    sum the same exact integers and run the same float operations in the same order."""
+    from kernels import cpu_build
+
+    flags = cpu_build.cpu_flags()
+    runnable = [isa for isa, (_, need) in cpu_build.ISA_LEVELS.items() if set(need) <= flags]
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs only {runnable}")
+    x = torch.randn(11, 576)
+    x[3] *= 1e3  # large activations: codes at +-127 against Q8_0's +-127
+    for fmt in sorted(FORMATS):
+        weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, 576, seed=7), 576).tiled()
+        bias = torch.randn(37)
+        outs = []
+        for isa in runnable:
+            out = torch.empty(11, 37)
+            _isa_library(isa).hr_quant_linear_int8(
+                weight.format.code, x.data_ptr(), 11, 576, weight.data.data_ptr(), 37,
+                out.data_ptr(), bias.data_ptr(),
+            )  # fmt: skip
+            outs.append(out)
+        for isa, out in zip(runnable[1:], outs[1:], strict=True):
+            assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"

@@ -2,25 +2,31 @@
 //
 // Each input row is quantized per block of 32 like llama.cpp's Q8_1: dx = max|x| / 127,
 // xq = round(x / dx). A block's contribution to an output is then an integer dot
-// product scaled once:  d * dx * sum(q * xq) + m * dx * sum(xq)  (Q4_0: m = -8d, Q8_0: m = 0),
-// so the weights are never expanded to floats. Only the activations are approximated
-// (~0.4% per element), which is what llama.cpp computes for this model.
+// product scaled once:  d * dx * sum(q * xq) + m * dx * sum(xq), so the weights are never
+// expanded to floats. Only the activations are approximated (~0.4% per element), which is
+// what llama.cpp computes for this model. Every format is read as unsigned codes with a
+// min: Q4_1 stores m; Q4_0 is q - 8, so m = -8d; Q8_0's signed codes are read as
+// q + 128 (the top bit flipped), so m = -128d.
 //
-// Weight rows are in the "grouped" layout (kernels/quant.py QuantizedWeight.grouped): the
-// blocks of a row in groups of 8 (the last group holds the nb % 8 left, T blocks), the
-// codes of a group interleaved 4 at a time, so that lane i (4 bytes) of the t-th vector
-// holds codes 4t..4t+3 of block i. Then 8 integer dot-product instructions (VNNI
-// vpdpbusd, or AVX2 maddubs) leave block i's whole dot product in int32 lane i, with no
-// horizontal reduction, and one multiply-add scales the group's blocks at once.
-//   Q4_0/Q4_1 codes: per group, 4 vectors of 4T bytes; byte 4i + k of vector s
-//     = q[i][8s + k] | q[i][8s + 4 + k] << 4 (its low nibbles give vector 2s, high 2s + 1)
-//   Q8_0 codes: per group, 8 vectors of 4T bytes; byte 4i + k of vector t = q[i][4t + k]
-// A partial group is loaded with a lane mask, so nothing is padded in memory. Scales follow
-// the codes as in quant_linear.cpp: nb fp16 d, then (Q4_1) nb fp16 m. The activations are
-// quantized into the same layout.
+// Weight rows are in the "tiled" layout (kernels/quant.py QuantizedWeight.tiled): rows in
+// tiles of 16 (the last one zero-padded), and within a tile, block by block, 4-byte lane i
+// of a 64-byte vector holds 4 codes of row i:
+//   Q4_0/Q4_1: 4 vectors per block; byte 4i + k of vector s
+//     = q[i][8s + k] | q[i][8s + 4 + k] << 4 (its low nibbles give codes 8s.., high 8s + 4..)
+//   Q8_0: 8 vectors per block; byte 4i + k of vector t = q[i][4t + k]
+// then the tile's scales: [nb][16] fp16 d, and (Q4_1) [nb][16] fp16 m. A tile is as many
+// bytes as 16 rows of the per-row layout.
 //
-// One order of sums for any number of input rows: a row's result does not depend on the
-// rows batched beside it.
+// One integer dot-product instruction (VNNI vpdpbusd) multiplies 4 codes of each of the 16
+// rows by the same 4 activation bytes (broadcast), so 8 of them leave a block's whole dot
+// product for 16 rows in 16 int32 lanes, with no horizontal reduction; the scaling is one
+// multiply and two multiply-adds per block for 16 rows. A weight block is unpacked once for
+// up to kRows input rows (a GEMM register tile of 16 outputs x kRows rows).
+//
+// One order of sums for any number of input rows (a row's result does not depend on the
+// rows batched beside it) and on every ISA (the integer sums are exact, the float
+// operations the same): per output, block by block, acc = fma(S_b, d_b * dx_b, acc), then
+// acc = fma(m_b, dx_b * sum(xq_b), acc); the bias is added last.
 #include <omp.h>
 
 #include <algorithm>
@@ -30,21 +36,21 @@
 
 namespace {
 
-constexpr int kGroup = 8;  // blocks per interleaved group (one int32 lane each)
-constexpr int kRows = 4;   // input rows sharing one expansion of a weight group
-constexpr int64_t kAhead = 2048;  // bytes ahead to prefetch a row's codes
+constexpr int64_t kTile = 16;     // weight rows per tile (one int32 / float lane each)
+constexpr int kRows = 8;          // input rows sharing one unpacked weight block
+constexpr int64_t kXTile = 64;    // input rows a thread runs its tiles over (~37 KB at k = 576)
+constexpr int64_t kAhead = 4096;  // bytes ahead to prefetch (as quant_linear.cpp: decode streams DRAM)
 
-// The activations, quantized: per row, every group of 8 blocks interleaved like the weights
-// but always 8 lanes wide (a partial last group zero-padded), so they load without masks.
+// The activations, quantized: per row the codes in plain order, per block dx and
+// dx * sum(codes).
 struct QuantizedRows {
-  std::vector<int8_t> q;   // [n][nbp * 32]
-  std::vector<float> dx;   // [n][nbp]
-  std::vector<float> dxs;  // [n][nbp]: dx * sum(xq) of the block
-  int64_t nb = 0, nbp = 0;  // blocks, and blocks padded to whole groups
+  std::vector<int8_t> q;   // [n][nb * 32]
+  std::vector<float> dx;   // [n][nb]
+  std::vector<float> dxs;  // [n][nb]
+  int64_t nb = 0;
 };
 
-// Quantizes one block of 32; q[k * stride] receives code k (stride 1: plain order).
-inline void quantize_block(const float* x, int8_t* q, float* dx, float* dxs) {
+void quantize_block(const float* x, int8_t* q, float* dx, float* dxs) {
   float amax = 0.0f;
   for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -58,190 +64,227 @@ inline void quantize_block(const float* x, int8_t* q, float* dx, float* dxs) {
   *dxs = *dx * static_cast<float>(sum);
 }
 
-void quantize_row(const float* x, int64_t nb, int8_t* q, float* dx, float* dxs) {
-  int8_t codes[32];
-  for (int64_t b = 0; b < nb; ++b) {
-    quantize_block(x + b * 32, codes, dx + b, dxs + b);
-    int8_t* group = q + b / kGroup * kGroup * 32;
-    for (int t = 0; t < 8; ++t) std::memcpy(group + 32 * t + 4 * (b % kGroup), codes + 4 * t, 4);
-  }
-}
-
 void quantize_rows(const float* x, int64_t n, int64_t k, QuantizedRows& out) {
-  out.nb = k / 32;
-  out.nbp = (out.nb + kGroup - 1) / kGroup * kGroup;
-  out.q.assign(n * out.nbp * 32, 0);
-  out.dx.assign(n * out.nbp, 0.0f);
-  out.dxs.assign(n * out.nbp, 0.0f);
-#pragma omp parallel for schedule(static) if (n >= 8)
-  for (int64_t j = 0; j < n; ++j)
-    quantize_row(x + j * k, out.nb, out.q.data() + j * out.nbp * 32,
-                 out.dx.data() + j * out.nbp, out.dxs.data() + j * out.nbp);
+  const int64_t nb = k / 32;
+  out.nb = nb;
+  out.q.resize(n * k);
+  out.dx.resize(n * nb);
+  out.dxs.resize(n * nb);
+#pragma omp parallel for schedule(static) if (n >= 16)
+  for (int64_t i = 0; i < n * nb; ++i)
+    quantize_block(x + i * 32, out.q.data() + i * 32, out.dx.data() + i, out.dxs.data() + i);
 }
 
-inline __m256i load32(const void* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// 16 int32 lanes: one zmm with AVX-512, two ymm with AVX2.
+#ifdef __AVX512F__
+struct I16 {
+  __m512i v;
+};
+inline I16 zero16() { return {_mm512_setzero_si512()}; }
+inline I16 load64(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline I16 low_nibbles(I16 a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(15))}; }
+inline I16 high_nibbles(I16 a) {
+  return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(15))};
 }
-
-// The first `lanes` 4-byte lanes at p (the rest zero, and not read): a partial group.
-inline __m256i load_lanes(const void* p, int64_t lanes) {
-  if (lanes == kGroup) return load32(p);
-  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes)),
-                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), mask);
-}
-
-// n fp16 scales at p as 8 floats (the rest zero).
-inline __m256 load_halves(const uint8_t* p, int64_t n) {
-  if (n == kGroup) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  uint16_t h[kGroup] = {};
-  std::memcpy(h, p, 2 * n);
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-}
-
-// acc + (u8 x s8: 8 int32 lanes, each the sum of 4 products).
-inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
+inline I16 flip_sign(I16 a) { return {_mm512_xor_si512(a.v, _mm512_set1_epi8(-128))}; }
+inline v16f to_float(I16 a) { return (v16f)_mm512_cvtepi32_ps(a.v); }
+// acc + per lane the sum of 4 products u8(u) * s8(x4's bytes); `wide`: u may exceed 127.
+inline I16 dot4(I16 acc, I16 u, int32_t x4, bool wide) {
+  const __m512i x = _mm512_set1_epi32(x4);
+#ifdef __AVX512VNNI__
+  (void)wide;
+  return {_mm512_dpbusd_epi32(acc.v, u.v, x)};
 #else
-  // |u| <= 128, |s| <= 127: maddubs's pair sums stay inside int16.
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
-                                                 _mm256_set1_epi16(1)));
+  const __m512i ones = _mm512_set1_epi16(1);
+  if (!wide)  // |15 * 127 * 2| fits int16: maddubs does not saturate
+    return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(u.v, x), ones))};
+  // 255 * 127 * 2 would saturate: the high and low nibbles apart, the high ones x 16.
+  const __m512i lo = _mm512_maddubs_epi16(_mm512_and_si512(u.v, _mm512_set1_epi8(15)), x);
+  const __m512i hi = _mm512_maddubs_epi16(
+      _mm512_and_si512(_mm512_srli_epi16(u.v, 4), _mm512_set1_epi8(15)), x);
+  const __m512i sum = _mm512_add_epi32(_mm512_madd_epi16(lo, ones),
+                                       _mm512_slli_epi32(_mm512_madd_epi16(hi, ones), 4));
+  return {_mm512_add_epi32(acc.v, sum)};
+#endif
+}
+#else
+struct I16 {
+  __m256i lo, hi;
+};
+inline I16 zero16() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline I16 load64(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline __m256i and15(__m256i a) { return _mm256_and_si256(a, _mm256_set1_epi8(15)); }
+inline I16 low_nibbles(I16 a) { return {and15(a.lo), and15(a.hi)}; }
+inline I16 high_nibbles(I16 a) {
+  return {and15(_mm256_srli_epi16(a.lo, 4)), and15(_mm256_srli_epi16(a.hi, 4))};
+}
+inline I16 flip_sign(I16 a) {
+  const __m256i s = _mm256_set1_epi8(-128);
+  return {_mm256_xor_si256(a.lo, s), _mm256_xor_si256(a.hi, s)};
+}
+inline v16f to_float(I16 a) {
+  __m256 halves[2] = {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)};
+  v16f out;
+  std::memcpy(&out, halves, sizeof out);
+  return out;
+}
+inline __m256i dot4_half(__m256i acc, __m256i u, __m256i x, bool wide) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (!wide) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones));
+  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(and15(u), x), ones);
+  const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(and15(_mm256_srli_epi16(u, 4)), x), ones);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4)));
+}
+inline I16 dot4(I16 acc, I16 u, int32_t x4, bool wide) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {dot4_half(acc.lo, u.lo, x, wide), dot4_half(acc.hi, u.hi, x, wide)};
+}
+#endif
+
+// a * b + c, fused, lane by lane (explicit, so no ISA or flag changes the rounding).
+inline v16f fma16(v16f a, v16f b, v16f c) {
+#ifdef __AVX512F__
+  return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  __m256 ah[2], bh[2], ch[2];
+  std::memcpy(ah, &a, sizeof a);
+  std::memcpy(bh, &b, sizeof b);
+  std::memcpy(ch, &c, sizeof c);
+  ch[0] = _mm256_fmadd_ps(ah[0], bh[0], ch[0]);
+  ch[1] = _mm256_fmadd_ps(ah[1], bh[1], ch[1]);
+  v16f out;
+  std::memcpy(&out, ch, sizeof out);
+  return out;
 #endif
 }
 
-inline float hsum_ps(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// 16 fp16 values at p as floats.
+inline v16f halves16(const uint8_t* p) {
+  v16f out;
+  halves_to_float(p, 16, reinterpret_cast<float*>(&out));
+  return out;
 }
 
-struct Q4 {  // Q4_0 and Q4_1: unsigned 4-bit codes
-  static constexpr int64_t kBlockBytes = 16;  // code bytes per block
-  static constexpr bool kHasMin = true;
-  // The 8 code vectors of a group of `lanes` blocks (unsigned, the dot's first operand).
-  static inline void group(const uint8_t* p, int64_t lanes, __m256i (&v)[8]) {
-    const __m256i low = _mm256_set1_epi8(15);
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+struct Q4 {  // Q4_0 and Q4_1: nibbles, 4 vectors per block
+  static constexpr int64_t kBlockBytes = 16;  // code bytes per block and row
+  static constexpr bool kWide = false;
+  static inline void unpack(const uint8_t* p, I16 (&u)[8]) {
     for (int s = 0; s < 4; ++s) {
-      const __m256i b = load_lanes(p + 4 * lanes * s, lanes);
-      v[2 * s] = _mm256_and_si256(b, low);
-      v[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+      const I16 b = load64(p + 64 * s);
+      u[2 * s] = low_nibbles(b);
+      u[2 * s + 1] = high_nibbles(b);
     }
   }
-  static inline __m256i sign(__m256i x, __m256i) { return x; }
 };
 
-struct Q8 {  // Q8_0: signed codes, multiplied as |q| x (xq * sign(q))
+struct Q8 {  // Q8_0: signed bytes, 8 vectors per block, read as q + 128
   static constexpr int64_t kBlockBytes = 32;
-  static constexpr bool kHasMin = false;
-  static inline void group(const uint8_t* p, int64_t lanes, __m256i (&v)[8]) {
-    for (int t = 0; t < 8; ++t) v[t] = load_lanes(p + 4 * lanes * t, lanes);
+  static constexpr bool kWide = true;
+  static inline void unpack(const uint8_t* p, I16 (&u)[8]) {
+    for (int t = 0; t < 8; ++t) u[t] = flip_sign(load64(p + 64 * t));
   }
-  static inline __m256i sign(__m256i x, __m256i q) { return _mm256_sign_epi8(x, q); }
 };
 
-template <class C>
-inline __m256i unsigned_codes(__m256i q) {
-  if constexpr (C::kHasMin) return q;
-  return _mm256_abs_epi8(q);
-}
-
-// A row's scales for a group (and mins: Q4_1 stored, Q4_0 = -8d, Q8_0 none).
-inline void group_scales(const uint8_t* dh, const uint8_t* mh, bool q4_0, int64_t b0,
-                         int64_t lanes, __m256& dv, __m256& mv) {
-  dv = load_halves(dh + 2 * b0, lanes);
-  mv = mh ? load_halves(mh + 2 * b0, lanes) : _mm256_setzero_ps();
-  if (q4_0) mv = _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
-}
-
-// One weight row against NR input rows (j0..j0+NR-1 of xr).
+// One tile (16 weight rows from r0, `valid` of them real) against NR input rows from j0.
 template <class C, int NR>
-void row_dot(const uint8_t* row, int64_t nb, int64_t format, const QuantizedRows& xr,
-             int64_t j0, float* out, int64_t ldo, int64_t r, float bias) {
-  const uint8_t* dh = row + nb * C::kBlockBytes;
-  const uint8_t* mh = format == 1 ? dh + 2 * nb : nullptr;
-  const bool q4_0 = format == 0;
-  __m256 acc[NR], acc_m[NR];
-  for (int j = 0; j < NR; ++j) acc[j] = acc_m[j] = _mm256_setzero_ps();
-  for (int64_t b0 = 0; b0 < nb; b0 += kGroup) {
-    const int64_t lanes = std::min<int64_t>(kGroup, nb - b0);
-    const uint8_t* codes = row + b0 * C::kBlockBytes;
+void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRows& xr,
+              int64_t j0, float* out, int64_t ldo, int64_t r0, int64_t valid, const float* bias) {
+  const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
+  const uint8_t* mh = dh + nb * kTile * 2;
+  const float min_per_d = format == 0 ? -8.0f : -128.0f;  // Q4_0, Q8_0 (Q4_1 stores m)
+  const int64_t k = nb * 32;
+  v16f acc[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = splat(0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* codes = tile + b * kTile * C::kBlockBytes;
     _mm_prefetch(reinterpret_cast<const char*>(codes) + kAhead, _MM_HINT_T0);
-    __m256i v[8], u[8];
-    C::group(codes, lanes, v);
-    for (int t = 0; t < 8; ++t) u[t] = unsigned_codes<C>(v[t]);
-    __m256 dv, mv;
-    group_scales(dh, mh, q4_0, b0, lanes, dv, mv);
+    I16 u[8];
+    C::unpack(codes, u);
+    I16 s[NR];
+    for (int j = 0; j < NR; ++j) s[j] = zero16();
+    for (int t = 0; t < 8; ++t)
+      for (int j = 0; j < NR; ++j)
+        s[j] = dot4(s[j], u[t], load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t), C::kWide);
+    const v16f d = halves16(dh + 32 * b);
+    const v16f m = format == 1 ? halves16(mh + 32 * b) : d * min_per_d;
     for (int j = 0; j < NR; ++j) {
-      const int8_t* x = xr.q.data() + (j0 + j) * xr.nbp * 32 + b0 * 32;
-      __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-      for (int t = 0; t < 8; t += 2) {  // two chains: half the dependency latency
-        a = dot_acc(a, u[t], C::sign(load32(x + 32 * t), v[t]));
-        b = dot_acc(b, u[t + 1], C::sign(load32(x + 32 * (t + 1)), v[t + 1]));
-      }
-      const int64_t at = (j0 + j) * xr.nbp + b0;
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
-      acc[j] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dv, _mm256_loadu_ps(xr.dx.data() + at)), acc[j]);
-      if (C::kHasMin) acc_m[j] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xr.dxs.data() + at), acc_m[j]);
+      const int64_t at = (j0 + j) * nb + b;
+      acc[j] = fma16(to_float(s[j]), d * xr.dx[at], acc[j]);
+      acc[j] = fma16(m, splat(xr.dxs[at]), acc[j]);
     }
   }
-  for (int j = 0; j < NR; ++j)
-    out[(j0 + j) * ldo + r] = hsum_ps(_mm256_add_ps(acc[j], acc_m[j])) + bias;
+  for (int j = 0; j < NR; ++j) {
+    float lanes[kTile];
+    store16(lanes, acc[j]);
+    float* o = out + (j0 + j) * ldo + r0;
+    for (int64_t i = 0; i < valid; ++i) o[i] = lanes[i] + (bias ? bias[r0 + i] : 0.0f);
+  }
 }
 
-// Input rows a thread keeps in L1 while it runs its weight rows over them (~30 KB).
-constexpr int64_t kXTile = 32;
+template <class C, int NR>
+void tile_rows(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRows& xr,
+               int64_t x0, int64_t x1, float* out, int64_t m, int64_t r0, const float* bias) {
+  const int64_t valid = std::min(kTile, m - r0);
+  int64_t j = x0;
+  for (; j + NR <= x1; j += NR) tile_dot<C, NR>(tile, nb, format, xr, j, out, m, r0, valid, bias);
+  if constexpr (NR > 1) {
+    if (j < x1) tile_rows<C, NR / 2>(tile, nb, format, xr, j, x1, out, m, r0, bias);
+  }
+}
 
 template <class C>
 void linear(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const uint8_t* w,
             int64_t m, float* out, const float* bias, int64_t row_bytes) {
-  const int64_t nb = k / 32;
+  const int64_t nb = k / 32, tiles = (m + kTile - 1) / kTile;
 #pragma omp parallel if (n * k * m >= kParallelWork)
   {
     const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-    const int64_t r0 = m * id / threads, r1 = m * (id + 1) / threads;
+    const int64_t t0 = tiles * id / threads, t1 = tiles * (id + 1) / threads;
     for (int64_t x0 = 0; x0 < n; x0 += kXTile) {
       const int64_t x1 = std::min(n, x0 + kXTile);
-      for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* row = w + r * row_bytes;
-        const float add = bias ? bias[r] : 0.0f;
-        int64_t j = x0;
-        for (; j + kRows <= x1; j += kRows)
-          row_dot<C, kRows>(row, nb, format, xr, j, out, m, r, add);
-        for (; j < x1; ++j) row_dot<C, 1>(row, nb, format, xr, j, out, m, r, add);
-      }
+      for (int64_t t = t0; t < t1; ++t)
+        tile_rows<C, kRows>(w + t * kTile * row_bytes, nb, format, xr, x0, x1, out, m,
+                            t * kTile, bias);
     }
   }
 }
 
-// Code j of block b of a grouped row (for dequantizing: the embedding lookup).
+// Code j of block b of row r of a tiled weight (for dequantizing: the embedding lookup).
 template <class C>
-inline int code_at(const uint8_t* row, int64_t nb, int64_t b, int j) {
-  const int64_t b0 = b / kGroup * kGroup, lanes = std::min<int64_t>(kGroup, nb - b0);
-  const uint8_t* p = row + b0 * C::kBlockBytes;
-  const int64_t i = b - b0, t = j / 4, k = j % 4;
-  if (!C::kHasMin) return static_cast<int8_t>(p[4 * lanes * t + 4 * i + k]);
-  const uint8_t byte = p[4 * lanes * (t / 2) + 4 * i + k];  // vector s = t / 2, nibble t % 2
+inline int code_at(const uint8_t* tile, int64_t i, int64_t b, int j) {
+  const int t = j / 4, k = j % 4;
+  const uint8_t* block = tile + b * kTile * C::kBlockBytes;
+  if constexpr (C::kWide) return static_cast<int8_t>(block[64 * t + 4 * i + k]);
+  const uint8_t byte = block[64 * (t / 2) + 4 * i + k];  // vector s = t / 2, nibble t % 2
   return t % 2 ? byte >> 4 : byte & 15;
 }
 
 template <class C>
-void dequantize_grouped(int64_t format, const uint8_t* w, int64_t k, const int64_t* rows,
-                        int64_t count, float* out) {
+void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t* rows,
+                      int64_t count, float* out) {
   const int64_t nb = k / 32;
   const int64_t row_bytes = nb * (format == 2 ? 34 : format == 1 ? 20 : 18);
 #pragma omp parallel for schedule(static) if (count * k > (1 << 16))
-  for (int64_t i = 0; i < count; ++i) {
-    const uint8_t* row = w + (rows ? rows[i] : i) * row_bytes;
-    const uint8_t* dh = row + nb * C::kBlockBytes;
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t r = rows ? rows[c] : c, i = r % kTile;
+    const uint8_t* tile = w + r / kTile * kTile * row_bytes;
+    const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
     for (int64_t b = 0; b < nb; ++b) {
-      const float d = half_to_float(dh + 2 * b);
-      const float mn = format == 1 ? half_to_float(dh + 2 * nb + 2 * b) : 0.0f;
+      const float d = half_to_float(dh + 2 * (b * kTile + i));
+      const float mn = format == 1 ? half_to_float(dh + 2 * (nb * kTile + b * kTile + i)) : 0.0f;
       for (int j = 0; j < 32; ++j) {
-        const int q = code_at<C>(row, nb, b, j);
+        const int q = code_at<C>(tile, i, b, j);
         // As gguf computes them: d * q (+ m), Q4_0 as d * (q - 8); all exact in fp32.
-        out[i * k + b * 32 + j] = format == 0 ? d * static_cast<float>(q - 8)
+        out[c * k + b * 32 + j] = format == 0 ? d * static_cast<float>(q - 8)
                                               : d * static_cast<float>(q) + mn;
       }
     }
@@ -250,8 +293,8 @@ void dequantize_grouped(int64_t format, const uint8_t* w, int64_t k, const int64
 
 }  // namespace
 
-// out[n, m] = q8(x[n, k]) @ W[m, k]^T (+ bias[m]); W in the grouped layout of `format`
-// (0 Q4_0, 1 Q4_1, 2 Q8_0); k % 32 == 0.
+// out[n, m] = q8(x[n, k]) @ W[m, k]^T (+ bias[m]); W in the tiled layout of `format`
+// (0 Q4_0, 1 Q4_1, 2 Q8_0; ceil(m / 16) tiles); k % 32 == 0.
 HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k,
                                     const uint8_t* w, int64_t m, float* out, const float* bias) {
   QuantizedRows xr;
@@ -261,9 +304,9 @@ HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, i
   linear<Q4>(format, xr, n, k, w, m, out, bias, nb * (format == 0 ? 18 : 20));
 }
 
-// out[i, :] = W[rows[i], :] in fp32 for W in the grouped layout (rows == nullptr: all).
-HR_EXPORT void hr_dequantize_grouped(int64_t format, const uint8_t* w, int64_t k,
-                                     const int64_t* rows, int64_t count, float* out) {
-  if (format == 2) return dequantize_grouped<Q8>(format, w, k, rows, count, out);
-  dequantize_grouped<Q4>(format, w, k, rows, count, out);
+// out[i, :] = W[rows[i], :] in fp32 for W in the tiled layout (rows == nullptr: all).
+HR_EXPORT void hr_dequantize_tiled(int64_t format, const uint8_t* w, int64_t k,
+                                   const int64_t* rows, int64_t count, float* out) {
+  if (format == 2) return dequantize_tiled<Q8>(format, w, k, rows, count, out);
+  dequantize_tiled<Q4>(format, w, k, rows, count, out);
 }
