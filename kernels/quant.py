@@ -93,7 +93,8 @@ class QuantizedWeight:
         """Rows of several weights of one format and width, stacked (fusing); per-row
         layout only (tile the result)."""
         first = parts[0]
-        if any((p.format, p.cols, p.tiled_layout) != (first.format, first.cols, False) for p in parts):
+        key = (first.format, first.cols, False)
+        if any((p.format, p.cols, p.tiled_layout) != key for p in parts):
             raise ValueError("only per-row weights of one format and width can be stacked")
         data = torch.cat([p.data for p in parts])
         return QuantizedWeight(first.format, data, data.shape[0], first.cols)
@@ -115,8 +116,13 @@ class QuantizedWeight:
         halves[:rows] = self.data[:, nb * f.code_bytes :]
         # [tile, i, field, b, 2 bytes] -> [tile, field, b, i, 2 bytes]
         halves = halves.reshape(-1, TILE, f.scale_fields, nb, 2).permute(0, 2, 3, 1, 4)
-        tiles = torch.cat([codes.reshape(-1, TILE * nb * f.code_bytes), halves.reshape(
-            -1, TILE * nb * 2 * f.scale_fields)], dim=1)
+        tiles = torch.cat(
+            [
+                codes.reshape(-1, TILE * nb * f.code_bytes),
+                halves.reshape(-1, TILE * nb * 2 * f.scale_fields),
+            ],
+            dim=1,
+        )
         data = tiles.reshape(padded, -1).contiguous()
         return QuantizedWeight(f, data, rows, self.cols, tiled_layout=True)
 
@@ -145,7 +151,7 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, cols], computed with torch (reference of the kernels' expansion)."""
-        f, nb = self.format, self.cols // BLOCK
+        f = self.format
         halves = self.scales()
         d = halves[:, 0].float().unsqueeze(-1)
         q = self.codes()
