@@ -47,8 +47,13 @@ struct QuantizedRows {
   std::vector<int8_t> q;   // [n][nb * 32]
   std::vector<float> dx;   // [n][nb]
   std::vector<float> dxs;  // [n][nb]
-  int64_t nb = 0;
 };
+
+// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0), codes and scales; a tile
+// is 16 of them.
+inline int64_t row_bytes_of(int64_t format, int64_t nb) {
+  return nb * (format == 2 ? 34 : format == 1 ? 20 : 18);
+}
 
 void quantize_block(const float* x, int8_t* q, float* dx, float* dxs) {
   float amax = 0.0f;
@@ -66,7 +71,6 @@ void quantize_block(const float* x, int8_t* q, float* dx, float* dxs) {
 
 void quantize_rows(const float* x, int64_t n, int64_t k, QuantizedRows& out) {
   const int64_t nb = k / 32;
-  out.nb = nb;
   out.q.resize(n * k);
   out.dx.resize(n * nb);
   out.dxs.resize(n * nb);
@@ -272,7 +276,7 @@ template <class C>
 void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t* rows,
                       int64_t count, float* out) {
   const int64_t nb = k / 32;
-  const int64_t row_bytes = nb * (format == 2 ? 34 : format == 1 ? 20 : 18);
+  const int64_t row_bytes = row_bytes_of(format, nb);
 #pragma omp parallel for schedule(static) if (count * k > (1 << 16))
   for (int64_t c = 0; c < count; ++c) {
     const int64_t r = rows ? rows[c] : c, i = r % kTile;
@@ -299,9 +303,9 @@ HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, i
                                     const uint8_t* w, int64_t m, float* out, const float* bias) {
   QuantizedRows xr;
   quantize_rows(x, n, k, xr);
-  const int64_t nb = k / 32;
-  if (format == 2) return linear<Q8>(format, xr, n, k, w, m, out, bias, nb * 34);
-  linear<Q4>(format, xr, n, k, w, m, out, bias, nb * (format == 0 ? 18 : 20));
+  const int64_t row_bytes = row_bytes_of(format, k / 32);
+  if (format == 2) return linear<Q8>(format, xr, n, k, w, m, out, bias, row_bytes);
+  linear<Q4>(format, xr, n, k, w, m, out, bias, row_bytes);
 }
 
 // out[i, :] = W[rows[i], :] in fp32 for W in the tiled layout (rows == nullptr: all).
