@@ -3,6 +3,17 @@
 One step = schedule -> build the flat batch -> forward -> sample -> update
 sequences. Stage 2 (compute/step_loop.py) drives ``add_request``/``step``/
 ``abort``; ``generate`` is the offline API built on the same calls.
+
+Asynchronous output (``DeviceConfig.async_output``, on by default for CUDA): ``step``
+schedules and launches step N+1 while step N's work is still queued on the device, and
+only then waits for step N's sampled ids (a copy into pinned memory behind step N, not
+behind N+1) and returns step N's outputs. The scheduler sees step N's tokens as
+placeholders meanwhile (compute/core/scheduler.py), and the runner feeds them to step N+1
+from the device. So the GPU never idles while Python schedules, and every output comes
+one step later than in synchronous mode. A request that step N finishes (EOS, a stop
+token) or that is aborted has run step N+1 for nothing: that token is dropped and its
+blocks were freed once, at the finish. A step whose sequences' sampling reads their
+history (penalties) waits for the step before it, as does a launch that fails.
 """
 
 from __future__ import annotations
@@ -23,17 +34,18 @@ from compute.core.messages import (
     StepTiming,
     TokenLogprob,
 )
+from compute.core.outputs import SchedulerOutput
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence
 from compute.cpu_threads import available_cpus, default_threads
-from compute.fault_isolation import run_isolating
+from compute.fault_isolation import launch_isolating
 from compute.loaders import LoadedModel, load_model
 from compute.log import get_logger
 from compute.malloc_tuning import keep_freed_memory
 from compute.memory_report import log_memory
 from compute.model import LlamaModel
-from compute.model_runner import ModelRunner, blocks_for_memory, default_num_blocks
+from compute.model_runner import ModelRunner, StepResult, blocks_for_memory, default_num_blocks
 from kernels import cpu, ops
 
 log = get_logger(__name__)
@@ -139,6 +151,11 @@ class Engine:
             num_host_blocks=num_host_blocks,
             vocab_size=loaded.config.vocab_size,
         )
+        self.async_output = (
+            device.type == "cuda" if config.device.async_output is None
+            else config.device.async_output
+        )  # fmt: skip
+        self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # launched, unread
         self._ids = itertools.count()
         self._failed: list[tuple[str, str]] = []
         self._prompt_tokens = 0
@@ -170,23 +187,39 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is; its blocks are free when this returns."""
+        self._abort(request_id)
+        self._drain_if_idle()
+
+    def _abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self.runner.sampler.forget(request_id)
 
     def step(self) -> list[RequestOutput]:
         """One step. A request that made it fail is aborted and listed by ``take_failed``;
-        the others get their outputs as if it had not been there."""
+        the others get their outputs as if it had not been there. With asynchronous
+        output these are the outputs of the step launched by the previous call."""
         t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and _reads_history(self._in_flight[0]):
+            outputs = self._resolve(*self._in_flight)  # its ids must be known to sample
+            self._in_flight = None
         sched = self.scheduler.schedule()
         t1 = self.runner.forward_end = time.perf_counter()
         self.runner.swap(sched)
-        runner_out = run_isolating(self.runner, sched.scheduled)
-        for request_id, message in runner_out.faulty.items():
-            self.abort(request_id)  # update_from_output skips aborted requests
-            self._failed.append((request_id, message))
-        outputs = self.scheduler.update_from_output(sched, runner_out)
-        self._count_tokens(sched, outputs)
+        self.runner.begin_step()
+        launched = launch_isolating(self.runner, sched.scheduled)
         t2 = self.runner.forward_end
+        if self.async_output:  # the previous step's tokens first, then this one's fails
+            previous, self._in_flight = self._in_flight, (sched, launched)
+            if previous is not None:
+                outputs += self._resolve(*previous)
+        self._fail(launched.faulty)  # commit skips them
+        self.scheduler.commit(sched)
+        self._count_prompt_tokens(sched)
+        if self.async_output:
+            self._drain_if_idle()
+        else:
+            outputs += self._resolve(sched, launched)
         # Plain numbers only (a few perf_counter reads per step); stage 3 turns them into metrics.
         self.last_step_timing = StepTiming(
             schedule_s=t1 - t0,
@@ -203,16 +236,43 @@ class Engine:
         failed, self._failed = self._failed, []
         return failed
 
-    def _count_tokens(self, sched, outputs: list[RequestOutput]) -> None:
+    def _resolve(self, sched: SchedulerOutput, launched: StepResult) -> list[RequestOutput]:
+        """Wait for a launched step's ids and hand them to the scheduler."""
+        runner_out = launched.resolve()
+        # Only requests still live as this step's sequences: one that finished meanwhile
+        # may have been followed by a new request under the same id.
+        live = {
+            item.seq.request_id
+            for item in sched.scheduled
+            if self.scheduler.get(item.seq.request_id) is item.seq
+        }
+        self._fail({rid: m for rid, m in runner_out.faulty.items() if rid in live})
+        outputs = self.scheduler.resolve(sched, runner_out)
+        for out in outputs:
+            self._generation_tokens += len(out.new_token_ids)
+            if out.finished:
+                self.runner.sampler.forget(out.request_id)
+        return outputs
+
+    def _fail(self, faulty: dict[str, str]) -> None:
+        for request_id, message in faulty.items():
+            if self.scheduler.get(request_id) is not None:
+                self._abort(request_id)
+                self._failed.append((request_id, message))
+
+    def _drain_if_idle(self) -> None:
+        """No request is left: wait for the step in flight, whose outputs are nobody's."""
+        if self._in_flight is not None and not self.scheduler.has_unfinished():
+            _, launched = self._in_flight
+            self._in_flight = None
+            launched.resolve()
+
+    def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:
         for item in sched.scheduled:
             prompt_left = item.seq.num_prompt_tokens - (
                 item.seq.num_computed_tokens - item.num_new_tokens
             )
             self._prompt_tokens += max(0, min(item.num_new_tokens, prompt_left))
-        for out in outputs:
-            self._generation_tokens += len(out.new_token_ids)
-            if out.finished:
-                self.runner.sampler.forget(out.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -293,6 +353,12 @@ class _Accumulator:
             logprobs=self.logprobs,
             num_cached_tokens=last.num_cached_tokens if last else 0,
         )
+
+
+def _reads_history(sched: SchedulerOutput) -> bool:
+    """Does a sequence this step samples for also sample from its history (penalties)?
+    Its next step cannot sample until this step's token is known on the host."""
+    return any(item.samples and item.seq.sampling_params.penalized for item in sched.scheduled)
 
 
 def cpu_execution(cfg: DeviceConfig, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:

@@ -15,36 +15,38 @@ fault every request hits (out of memory, a broken device) fails them all, after 
 
 from __future__ import annotations
 
-from compute.core.outputs import ModelRunnerOutput, ScheduledSequence
+from compute.core.outputs import ScheduledSequence
 from compute.log import get_logger
-from compute.model_runner import ModelRunner
+from compute.model_runner import ModelRunner, StepResult
 
 log = get_logger(__name__)
 # What a client sees when its request made the step fail; the traceback goes to the log.
 FAULT_MESSAGE = "the engine failed while running this request"
 
 
-def run_isolating(runner: ModelRunner, scheduled: list[ScheduledSequence]) -> ModelRunnerOutput:
-    """``runner.run(scheduled)``; on an exception, the requests at fault go to ``faulty``."""
+def launch_isolating(runner: ModelRunner, scheduled: list[ScheduledSequence]) -> StepResult:
+    """``runner.launch(scheduled)``; on an exception, the requests at fault go to the
+    result's ``faulty`` (a launch that fails is retried in parts at once, synchronously)."""
     try:
-        return runner.run(scheduled)
+        return runner.launch(scheduled)
     except Exception:
         runner.sampler.rewind()
         log.exception("engine step failed; isolating the request at fault", size=len(scheduled))
     return _bisect(runner, scheduled)
 
 
-def _bisect(runner: ModelRunner, scheduled: list[ScheduledSequence]) -> ModelRunnerOutput:
+def _bisect(runner: ModelRunner, scheduled: list[ScheduledSequence]) -> StepResult:
+    vocab_size = runner.sampler.vocab_size
     if len(scheduled) == 1:
         request_id = scheduled[0].seq.request_id
         log.warning("request failed the engine step on its own", request_id=request_id)
-        return ModelRunnerOutput([], [], [], faulty={request_id: FAULT_MESSAGE})
+        return StepResult(vocab_size, faulty={request_id: FAULT_MESSAGE})
     middle = len(scheduled) // 2
-    out = ModelRunnerOutput([], [], [])
+    result = StepResult(vocab_size)
     for part in (scheduled[:middle], scheduled[middle:]):
         try:
-            out.merge(runner.run(part))
+            result.merge(runner.launch(part))
         except Exception:
             runner.sampler.rewind()
-            out.merge(_bisect(runner, part))
-    return out
+            result.merge(_bisect(runner, part))
+    return result

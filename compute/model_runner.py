@@ -2,11 +2,19 @@
 
 Owns the model, the paged KV cache tensors (and the host copy used by
 preemption_mode=swap) and the sampler. Returns plain lists to the engine.
+
+``launch`` queues a step's work and returns at once with a ``StepResult``; its ``resolve``
+waits for the sampled ids to reach the host (on a GPU they are copied into pinned memory
+behind the step, with an event; on the CPU the work is done when launch returns). The
+engine may launch the next step before resolving this one (asynchronous output): a
+sequence's input token is then a PLACEHOLDER, and the runner feeds the id sampled for it
+by the previous step straight from the device (``begin_step`` marks the boundary).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +30,9 @@ from compute.core.outputs import ModelRunnerOutput, ScheduledSequence, Scheduler
 from compute.core.sequence import Sequence
 from compute.fault_injection import FaultInjector
 from compute.model import LlamaModel
-from compute.sampler import Sampler
+from compute.sampler import LogprobRows, Sampler
 from kernels.metadata import AttentionMetadata
+from kernels.transfer import device_tensor
 
 GIB = 1024**3
 # What a client sees when its sampled id was out of range (the details go to the log).
@@ -63,6 +72,44 @@ class StepBatch:
     sampling_seqs: list[Sequence]
 
 
+class StepResult:
+    """A launched step's sampled ids and logprobs, on their way to the host.
+
+    ``faulty``: requests the launch itself failed on (fault isolation); ``resolve`` adds
+    those whose sampled id was out of range. Runs of parts of one step merge into one.
+    """
+
+    def __init__(self, vocab_size: int, faulty: dict[str, str] | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.faulty: dict[str, str] = faulty or {}
+        self._parts: list[tuple[list[Sequence], torch.Tensor, LogprobRows, object]] = []
+
+    def add(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: LogprobRows) -> None:
+        """One run's rows; device tensors are copied behind the work that makes them."""
+        event = None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            tokens = host.copy_(tokens, non_blocking=True)
+            logprobs = logprobs.to_host(non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._parts.append((seqs, tokens, logprobs, event))
+
+    def merge(self, other: StepResult) -> None:
+        self._parts.extend(other._parts)
+        self.faulty.update(other.faulty)
+
+    def resolve(self) -> ModelRunnerOutput:
+        """Wait for the ids (this step's copies only, not later steps) and check them."""
+        out = ModelRunnerOutput([], [], [])
+        for seqs, tokens, logprobs, event in self._parts:
+            if event is not None:
+                event.synchronize()
+            ids, records = tokens.tolist(), logprobs.records()
+            out.merge(_checked(seqs, ids, records, self.vocab_size))
+        return out
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -81,6 +128,13 @@ class ModelRunner:
         self.host_caches = self._allocate_cache(num_host_blocks, "cpu") if num_host_blocks else []
         self.sampler = Sampler(model.config.vocab_size, seed)
         self._faults: FaultInjector | None = None  # test-only (compute/fault_injection.py)
+        # request id -> (device ids, row) of the tokens sampled by the current and the
+        # previous step: where a PLACEHOLDER input's id is read from.
+        self._step_ids: dict[str, tuple[torch.Tensor, int]] = {}
+        self._prev_ids: dict[str, tuple[torch.Tensor, int]] = {}
+        # (before, after): called around every launch (bench/step_gap.py records CUDA
+        # events there, to see the device's idle time between steps); None: no calls.
+        self.launch_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
 
     @property
     def faults(self) -> FaultInjector | None:
@@ -104,53 +158,55 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.swap(sched)
-        return self.run(sched.scheduled)
-
     def swap(self, sched: SchedulerOutput) -> None:
         """The step's block copies; done once per step, before any forward."""
         self._swap(sched.blocks_to_swap_out, to_host=True)
         self._swap(sched.blocks_to_swap_in, to_host=False)
 
-    def run(self, scheduled: list[ScheduledSequence]) -> ModelRunnerOutput:
+    def begin_step(self) -> None:
+        """A new step starts: the ids sampled so far are the previous step's."""
+        self._prev_ids, self._step_ids = self._step_ids, {}
+
+    def launch(self, scheduled: list[ScheduledSequence]) -> StepResult:
         """Forward + sample for ``scheduled`` (any subset of a step: the engine retries
         subsets to isolate a fault; rewriting a position's K/V gives the same values)."""
+        if self.launch_hooks is None:
+            return self._launch(scheduled)
+        before, after = self.launch_hooks
+        before()
+        result = self._launch(scheduled)
+        after()
+        return result
+
+    def _launch(self, scheduled: list[ScheduledSequence]) -> StepResult:
         self.sampler.commit()
+        result = StepResult(self.sampler.vocab_size)
         if not scheduled:
-            return ModelRunnerOutput([], [], [])
+            return result
         batch = self.prepare(scheduled)
         if self._faults is not None:
             self._faults.check_forward([item.seq for item in scheduled])
         hidden = self.model.forward(batch.token_ids, batch.positions, self.kv_caches, batch.meta)
         self.forward_end = time.perf_counter()  # read by Engine.step for StepTiming
         if not batch.sampling_seqs:
-            return ModelRunnerOutput([], [], [])
+            return result
         logits = self.model.compute_logits(hidden[batch.sample_rows])
-        token_ids, logprobs = self.sampler.sample(logits, batch.sampling_seqs)
-        return self._checked(batch.sampling_seqs, token_ids, logprobs)
-
-    def _checked(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> ModelRunnerOutput:
-        """The output, with rows whose id is outside [0, vocab) moved to ``faulty``: such an
-        id must never reach the embedding lookup (it would fail the whole next step)."""
-        vocab = self.sampler.vocab_size
-        out = ModelRunnerOutput([], [], [])
-        for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
-            if 0 <= token < vocab:
-                out.request_ids.append(seq.request_id)
-                out.sampled_token_ids.append(token)
-                out.logprobs.append(logprob)
-            else:
-                out.faulty[seq.request_id] = BAD_TOKEN_MESSAGE
-        return out
+        tokens, logprobs = self.sampler.sample_on_device(logits, batch.sampling_seqs)
+        for row, seq in enumerate(batch.sampling_seqs):
+            self._step_ids[seq.request_id] = (tokens, row)
+        result.add(batch.sampling_seqs, tokens, logprobs)
+        return result
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepBatch:
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, tables, sample_rows, sampling = [], [], [], [], []
+        pending: list[tuple[int, str]] = []  # (flat row, request): ids the last step sampled
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
+            if end > seq.num_known_tokens:  # only a decode's one input can be pending
+                pending.append((len(token_ids) + item.num_new_tokens - 1, seq.request_id))
             token_ids.extend(seq.token_ids_slice(start, end))
             positions.extend(range(start, end))
             query_lens.append(item.num_new_tokens)
@@ -162,13 +218,36 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens, context_lens, tables, self.block_size, device=self.device
         )
+        ids = device_tensor(token_ids, torch.int64, self.device)
+        if pending:
+            self._fill_placeholders(ids, pending)
         return StepBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            token_ids=ids,
+            positions=device_tensor(positions, torch.int64, self.device),
             meta=meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            sample_rows=device_tensor(sample_rows, torch.int64, self.device),
             sampling_seqs=sampling,
         )
+
+    def _fill_placeholders(self, ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:
+        """Put the previous step's sampled ids (still on the device) at the pending rows.
+        An id out of range is clamped here, so the embedding lookup never fails the whole
+        step; the previous step's ``resolve`` reports its request, whose later tokens go."""
+        sources = []
+        for _, request_id in pending:
+            source = self._prev_ids.get(request_id)
+            if source is None:
+                raise RuntimeError(f"{request_id}: no sampled id for its pending token")
+            sources.append(source)
+        tensors = {id(t): t for t, _ in sources}
+        if len(tensors) == 1:  # one run made the previous step: one gather
+            [tensor] = tensors.values()
+            index = device_tensor([row for _, row in sources], torch.int64, tensor.device)
+            values = tensor[index]
+        else:  # the previous step ran in parts (fault isolation)
+            values = torch.stack([t[row] for t, row in sources])
+        rows = device_tensor([row for row, _ in pending], torch.int64, ids.device)
+        ids[rows] = values.clamp(0, self.sampler.vocab_size - 1)
 
     def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         """Copy whole blocks between device and host caches, (src, dst) by direction."""
@@ -183,3 +262,19 @@ class ModelRunner:
             else:
                 dk[dst_ids.to(dk.device)] = hk[src_ids].to(dk.device)
                 dv[dst_ids.to(dv.device)] = hv[src_ids].to(dv.device)
+
+
+def _checked(
+    seqs: list[Sequence], token_ids: list[int], logprobs, vocab_size: int
+) -> ModelRunnerOutput:
+    """The output, with rows whose id is outside [0, vocab) moved to ``faulty``: such an
+    id must never reach the embedding lookup (it would fail the whole next step)."""
+    out = ModelRunnerOutput([], [], [])
+    for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
+        if 0 <= token < vocab_size:
+            out.request_ids.append(seq.request_id)
+            out.sampled_token_ids.append(token)
+            out.logprobs.append(logprob)
+        else:
+            out.faulty[seq.request_id] = BAD_TOKEN_MESSAGE
+    return out

@@ -20,6 +20,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from compute.core.sequence import Sequence
+from kernels.transfer import device_tensor
 
 
 class Penalties:
@@ -75,7 +76,7 @@ class Penalties:
         cached = self._prompt_ids.get(seq.request_id)
         # The length/device check guards against a request id reused for a new prompt.
         if cached is None or cached.numel() != seq.num_prompt_tokens or cached.device != device:
-            cached = torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=device)
+            cached = device_tensor(seq.prompt_token_ids, torch.long, device)
             self._prompt_ids[seq.request_id] = cached
         return cached
 
@@ -113,7 +114,7 @@ def _on_rows(
     """``fn`` applied to the given rows only; the other rows are copied unchanged."""
     if len(rows) == logits.shape[0]:
         return fn(logits)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    index = device_tensor(rows, torch.long, logits.device)
     return logits.index_copy(0, index, fn(logits.index_select(0, index)))
 
 
@@ -121,11 +122,11 @@ def _output_id_tensors(seqs: list[Sequence], device: torch.device) -> list[torch
     """Each sequence's output ids as a device tensor, uploaded in one copy."""
     lengths = [s.num_output_tokens for s in seqs]
     flat = [t for s in seqs for t in s.output_token_ids]
-    return list(torch.tensor(flat, dtype=torch.long, device=device).split(lengths))
+    return list(device_tensor(flat, torch.long, device).split(lengths))
 
 
 def _row_values(
     rows: list[int], seqs: list[Sequence], field: str, like: torch.Tensor
 ) -> torch.Tensor:
     values = [getattr(seqs[i].sampling_params, field) for i in rows]
-    return torch.tensor(values, dtype=like.dtype, device=like.device)
+    return device_tensor(values, like.dtype, like.device)

@@ -38,6 +38,7 @@ from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
 from compute.fault_injection import FaultInjector
 from compute.penalties import Penalties
+from kernels.transfer import device_tensor
 
 # Below this the division overflows to inf (then NaN in softmax) for large logits;
 # at 1e-5 the distribution is already a point mass up to exact ties.
@@ -63,17 +64,25 @@ class Sampler:
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Token ids and logprobs (None where not asked), one per row of ``logits``."""
+        tokens, logprobs = self.sample_on_device(logits, seqs)
+        return tokens.tolist(), logprobs.to_host().records()
+
+    def sample_on_device(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[torch.Tensor, LogprobRows]:
+        """``sample`` without waiting for the device: int64 token ids [rows] and the
+        logprobs, both still on ``logits``' device (the caller copies them when it will)."""
         self._check_logits(logits, seqs)
+        params = [s.sampling_params for s in seqs]
         if not seqs:
-            return [], []
+            return torch.empty(0, dtype=torch.long, device=logits.device), LogprobRows(params)
         logits = logits.float()  # no copy when already float32
         penalized = self._penalties.apply(logits, seqs)
         tokens = self._choose(penalized, seqs)
         if self.faults is not None:
             self.faults.check_sampling(seqs)
             tokens = self.faults.corrupt(tokens, seqs, self.vocab_size)
-        logprobs = compute_logprobs(logits, tokens, [s.sampling_params for s in seqs])
-        return tokens.tolist(), logprobs
+        return tokens, logprob_rows(logits, tokens, params)
 
     def commit(self) -> None:
         """Keep the draws made so far: a later ``rewind`` goes back no further."""
@@ -162,7 +171,7 @@ def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     uses_top_k = any(k < vocab_size for k in top_k)
     uses_top_p = any(p < 1.0 for p in top_p)
     if uses_top_k or uses_top_p:
-        k = torch.tensor(top_k, dtype=torch.long, device=logits.device) if uses_top_k else None
+        k = device_tensor(top_k, torch.long, logits.device) if uses_top_k else None
         p = _column(params, "top_p", logits) if uses_top_p else None
         logits = apply_top_k_top_p(logits, k, p)
     if any(p.min_p > 0.0 for p in params):
@@ -199,33 +208,74 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def compute_logprobs(
+class LogprobRows:
+    """The logprobs of one step's sampled rows: tensors on the device until ``to_host``.
+
+    ``values``/``ids`` [rows asking, 1 + N]: column 0 is the sampled token, then the top N.
+    """
+
+    def __init__(
+        self,
+        params: list[SamplingParams],
+        rows: list[int] | None = None,
+        values: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
+    ) -> None:
+        self.params, self.rows = params, rows or []
+        self.values, self.ids = values, ids
+
+    def to_host(self, non_blocking: bool = False) -> LogprobRows:
+        """Copies on the host (into pinned memory when ``non_blocking``: valid once the
+        stream reaches them, see ModelRunner)."""
+        if self.values is None or self.values.device.type == "cpu":
+            return self
+        values, ids = (_host_copy(t, non_blocking) for t in (self.values, self.ids))
+        return LogprobRows(self.params, self.rows, values, ids)
+
+    def records(self) -> list[TokenLogprob | None]:
+        """One TokenLogprob per row that asked (None for the others); host tensors only."""
+        result: list[TokenLogprob | None] = [None] * len(self.params)
+        if self.values is None or self.ids is None:
+            return result
+        for row_values, row_ids, i in zip(
+            self.values.tolist(), self.ids.tolist(), self.rows, strict=True
+        ):
+            n = self.params[i].top_logprobs
+            top = tuple(zip(row_ids[1 : n + 1], row_values[1 : n + 1], strict=True))
+            result[i] = TokenLogprob(token_id=row_ids[0], logprob=row_values[0], top=top)
+        return result
+
+
+def logprob_rows(
     raw_logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
-) -> list[TokenLogprob | None]:
+) -> LogprobRows:
     """Raw-logit logprobs of the sampled tokens (+ top-N), only for rows that ask."""
     rows = [i for i, p in enumerate(params) if p.wants_logprobs]
-    result: list[TokenLogprob | None] = [None] * len(params)
     if not rows:
-        return result
+        return LogprobRows(params)
     index = _index(rows, raw_logits.device)
     logprobs = torch.log_softmax(raw_logits.index_select(0, index), dim=-1)
     chosen_ids = tokens.index_select(0, index).unsqueeze(1)
     num_top = min(max(params[i].top_logprobs for i in rows), raw_logits.shape[1])
     top_values, top_ids = logprobs.topk(num_top, dim=-1)  # sorted, best first
-    # Two transfers for the whole batch: column 0 is the sampled token, then the top-N.
-    values = torch.cat((logprobs.gather(1, chosen_ids), top_values), dim=1).tolist()
-    ids = torch.cat((chosen_ids, top_ids), dim=1).tolist()
-    for row_values, row_ids, i in zip(values, ids, rows, strict=True):
-        n = params[i].top_logprobs
-        top = tuple(zip(row_ids[1 : n + 1], row_values[1 : n + 1], strict=True))
-        result[i] = TokenLogprob(token_id=row_ids[0], logprob=row_values[0], top=top)
-    return result
+    values = torch.cat((logprobs.gather(1, chosen_ids), top_values), dim=1)
+    ids = torch.cat((chosen_ids, top_ids), dim=1)
+    return LogprobRows(params, rows, values, ids)
+
+
+def _host_copy(tensor: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+    """``tensor`` on the host; with ``non_blocking``, an asynchronous copy into pinned
+    memory that holds the values once the device's stream has done it."""
+    if not non_blocking:
+        return tensor.cpu()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return device_tensor(rows, torch.long, device)
 
 
 def _column(params: list[SamplingParams], field: str, like: torch.Tensor) -> torch.Tensor:
     """One per-row parameter as a tensor of ``like``'s dtype and device."""
-    return torch.tensor([getattr(p, field) for p in params], dtype=like.dtype, device=like.device)
+    return device_tensor([getattr(p, field) for p in params], like.dtype, like.device)

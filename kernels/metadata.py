@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.transfer import device_tensor
+
 
 @dataclass
 class AttentionMetadata:
@@ -63,10 +65,10 @@ class AttentionMetadata:
         for qlen in query_lens:
             starts.append(starts[-1] + qlen)
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            slot_mapping=device_tensor(slots, torch.int64, device),
+            block_tables=device_tensor(padded, torch.int32, device),
+            context_lens=device_tensor(context_lens, torch.int32, device),
+            query_start_loc=device_tensor(starts, torch.int32, device),
             query_lens=list(query_lens),
             context_lens_host=list(context_lens),
             max_query_len=max(query_lens, default=0),

@@ -68,6 +68,11 @@ def _bool(text: str) -> bool:
     raise ValueError(f"expected true/false, got {text!r}")
 
 
+def _auto_bool(text: str) -> bool | None:
+    """A switch whose unset value (None, "auto") lets the program choose."""
+    return None if text.strip().lower() in ("", "auto", "none") else _bool(text)
+
+
 FLAGS: tuple[Flag, ...] = (
     Flag("--host", "server.host", "interface the gRPC and metrics servers listen on"),
     Flag("--port", "server.port", "gRPC port (0 = any free port)", int),
@@ -119,6 +124,9 @@ FLAGS: tuple[Flag, ...] = (
          "CPU threads (none = the CPUs this process may use: affinity mask, cgroup CPU "
          "quota; replicas sharing a host: cores / replicas each)", _optional_int),
     Flag("--cuda-graphs", "device.cuda_graphs", "CUDA graphs for decode (no effect yet)", _bool),
+    Flag("--async-output", "device.async_output",
+         "launch each step before the previous one's sampled ids reach the host, so the "
+         "GPU does not idle between steps (auto: on for CUDA, off on the CPU)", _auto_bool),
     Flag("--cpu-kernels", "device.cpu_kernels",
          "CPU steps on the compiled kernels (native, fp32) or torch; auto = native if they build",
          choices=("auto", "native", "torch")),
@@ -223,9 +231,9 @@ def add_flags(
     for flag in flags:
         default = _default(flag, classes)
         kwargs: dict[str, Any] = {
-            "help": f"{flag.help} [env {flag.env}; default: {_shown(default)}]"
+            "help": f"{flag.help} [env {flag.env}; default: {_shown(default, flag)}]"
         }
-        if flag.type is _bool:
+        if flag.type in (_bool, _auto_bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs.update(type=flag.type, choices=flag.choices)
@@ -239,9 +247,11 @@ def add_flags(
         group.add_argument(flag.option, default=default, **kwargs)
 
 
-def _shown(default: Any) -> str:
+def _shown(default: Any, flag: Flag | None = None) -> str:
     if isinstance(default, bool):
         return "on" if default else "off"
+    if flag is not None and flag.type is _auto_bool and default is None:
+        return "auto"
     return "none" if default is None or default == "" else str(default)
 
 

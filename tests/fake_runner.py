@@ -9,6 +9,12 @@ swap copy or a slot read before it was written changes the output (or raises),
 and the same request yields the same tokens alone, batched, chunked,
 preempted or served from the prefix cache. ``reference_tokens`` gives those
 tokens without any cache, for comparison.
+
+``launch`` is the asynchronous form (compute/engine.py's asynchronous output): it does
+the step's work at once but hands back its sampled ids only through ``FakeStep.resolve``,
+and an input that is still a PLACEHOLDER in the sequence is taken from the ids the
+previous launch sampled, as the real runner reads them on the device. A placeholder fed
+to the wrong slot, or one never filled, changes the tokens or raises.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from array import array
 from compute.core.messages import TokenLogprob
 from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
 from compute.core.sampling_params import SamplingParams
+from compute.core.sequence import PLACEHOLDER
 
 _EMPTY = -1  # a slot nobody wrote
 
@@ -54,6 +61,9 @@ class FakeRunner:
         self.device = [[_EMPTY] * block_size for _ in range(num_blocks)]
         self.host = [[_EMPTY] * block_size for _ in range(num_host_blocks)]
         self.num_steps = 0
+        self._step_ids: dict[str, int] = {}  # what the latest launch sampled, per request
+        self._prev_ids: dict[str, int] = {}
+        self.num_placeholders_fed = 0  # inputs taken from the previous launch's ids
         self.num_computed_tokens = 0  # cumulative tokens written (for prefix-cache tests)
 
     def token_for(self, context: list[int], num_output_tokens: int = 0) -> int:
@@ -61,6 +71,13 @@ class FakeRunner:
         if self.eos_token_id is not None and num_output_tokens == self.eos_after:
             return self.eos_token_id
         return fake_token(context, self.vocab_size, self.eos_token_id, self.eos_rate)
+
+    def launch(self, sched: SchedulerOutput) -> FakeStep:
+        """``execute`` whose ids the scheduler learns only from ``resolve``."""
+        self._prev_ids, self._step_ids = self._step_ids, {}
+        out = self.execute(sched)
+        self._step_ids = dict(zip(out.request_ids, out.sampled_token_ids, strict=True))
+        return FakeStep(out)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         # Same order as the real runner: copies first, then the forward pass.
@@ -83,6 +100,11 @@ class FakeRunner:
 
     def _write(self, seq, start: int, count: int) -> None:
         tokens = seq.token_ids_slice(start, start + count)
+        if tokens and tokens[-1] == PLACEHOLDER:  # sampled by the previous launch
+            tokens[-1] = self._prev_ids[seq.request_id]
+            self.num_placeholders_fed += 1
+        if PLACEHOLDER in tokens:
+            raise RuntimeError(f"{seq.request_id}: a placeholder that no launch sampled")
         for pos, token in zip(range(start, start + count), tokens, strict=True):
             block, offset = self._slot(seq, pos)
             self.device[block][offset] = token
@@ -103,6 +125,16 @@ class FakeRunner:
         if index >= len(seq.block_ids):
             raise RuntimeError(f"{seq.request_id}: position {pos} beyond its block table")
         return seq.block_ids[index], pos % self.block_size
+
+
+class FakeStep:
+    """A launched fake step: its output, once the engine asks for it."""
+
+    def __init__(self, out: ModelRunnerOutput) -> None:
+        self._out = out
+
+    def resolve(self) -> ModelRunnerOutput:
+        return self._out
 
 
 def reference_tokens(

@@ -81,7 +81,29 @@ def test_env_twin_overrides_default_and_flag_overrides_env() -> None:
     assert flagged.engine.cache.num_blocks is None
 
 
-BAD_ENV = [{"HEADRACE_PORT": "http"}, {"HEADRACE_DTYPE": "int3"}, {"HEADRACE_CUDA_GRAPHS": "?"}]
+def test_async_output_is_auto_unless_switched(capsys) -> None:
+    def chosen(argv: list[str], environ: dict[str, str] | None = None) -> bool | None:
+        return _parse(["serve", *argv], environ or {}).engine.device.async_output
+
+    assert chosen([]) is None  # the engine decides: on for CUDA, off on the CPU
+    assert chosen(["--async-output"]) is True
+    assert chosen(["--no-async-output"]) is False
+    assert chosen([], {"HEADRACE_ASYNC_OUTPUT": "off"}) is False
+    assert chosen([], {"HEADRACE_ASYNC_OUTPUT": "auto"}) is None
+    assert chosen(["--async-output"], {"HEADRACE_ASYNC_OUTPUT": "off"}) is True
+    with pytest.raises(SystemExit):
+        cli.build_parser({}).parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--async-output, --no-async-output" in help_text
+    assert "HEADRACE_ASYNC_OUTPUT; default: auto]" in help_text
+
+
+BAD_ENV = [
+    {"HEADRACE_PORT": "http"},
+    {"HEADRACE_DTYPE": "int3"},
+    {"HEADRACE_CUDA_GRAPHS": "?"},
+    {"HEADRACE_ASYNC_OUTPUT": "sometimes"},
+]
 
 
 @pytest.mark.parametrize("environ", BAD_ENV)

@@ -8,6 +8,10 @@ owned by live sequences; the budget and max_num_seqs hold; decodes come
 first. At the end: every request finished within a bounded number of steps
 (no deadlock, no starvation) with exactly the tokens it would get alone, and
 the cache is back to zero usage.
+
+Each property runs twice: with synchronous output, and with asynchronous output
+(``AsyncDriver``: step N+1 is scheduled and launched before step N's ids are resolved,
+in compute/engine.py's order), where the same tokens and finish reasons are expected.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from compute.core.config import CacheConfig, SchedulerConfig
-from compute.core.messages import FinishReason
+from compute.core.messages import FinishReason, RequestOutput
 from compute.core.outputs import SchedulerOutput
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
@@ -178,13 +182,18 @@ class Driver:
         self._check_schedule(out)
         runner_out = self.runner.execute(out)
         self._abort(step, in_flight=True)
-        for o in self.sched.update_from_output(out, runner_out):
+        self._record(self.sched.update_from_output(out, runner_out))
+        self._check_state()
+
+    def _record(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
             assert o.request_id not in self.reasons, "output after finish"
             assert len(o.new_token_ids) == 1
-            self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            got = self.tokens.setdefault(o.request_id, [])
+            got.extend(o.new_token_ids)
+            assert o.num_output_tokens == len(got)
             if o.finished:
                 self.reasons[o.request_id] = o.finish_reason
-        self._check_state()
 
     def _check_schedule(self, out: SchedulerOutput) -> None:
         cfg = self.sc.sched
@@ -246,6 +255,39 @@ class Driver:
             assert self.reasons[rid] is want
 
 
+class AsyncDriver(Driver):
+    """Asynchronous output, in the engine's order: launch step N+1, resolve step N, then
+    commit step N+1 (requests may be aborted between any two)."""
+
+    def __init__(self, sc: Scenario) -> None:
+        super().__init__(sc)
+        self.in_flight: tuple[SchedulerOutput, object] | None = None
+
+    def _step(self, step: int) -> None:
+        out = self.sched.schedule()
+        self._check_schedule(out)
+        for item in out.scheduled:  # a pending input is only ever a decode's one token
+            seq = item.seq
+            if seq.num_pending:
+                assert item.num_new_tokens == 1 and seq.num_pending == 1
+                assert seq.num_computed_tokens + 1 == seq.num_tokens
+        launched = self.runner.launch(out)
+        self._abort(step, in_flight=True)
+        previous, self.in_flight = self.in_flight, (out, launched)
+        if previous is not None:
+            self._record(self.sched.resolve(previous[0], previous[1].resolve()))
+        self.sched.commit(out)
+        if not self.sched.has_unfinished():
+            self.in_flight = None  # the engine drains it: nobody's outputs
+        for seq in self.sched.live_sequences():
+            assert seq.num_pending <= 1 or seq.status is SequenceStatus.RUNNING
+            assert seq.num_pending <= 2
+        self._check_state()
+
+
+DRIVERS = pytest.mark.parametrize("driver_cls", [Driver, AsyncDriver], ids=["sync", "async"])
+
+
 SETTINGS = settings(
     max_examples=150,
     deadline=None,
@@ -253,18 +295,20 @@ SETTINGS = settings(
 )
 
 
+@DRIVERS
 @SETTINGS
-@given(scenarios())
-def test_random_workloads_keep_invariants_and_finish(sc: Scenario):
-    driver = Driver(sc)
+@given(sc=scenarios())
+def test_random_workloads_keep_invariants_and_finish(driver_cls, sc: Scenario):
+    driver = driver_cls(sc)
     driver.run()
     driver.check_results()
     target(float(driver.sched.num_preemptions), label="preemptions")
 
 
+@DRIVERS
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("prefix", [True, False])
-def test_heavy_load_exercises_preemption_and_still_matches(mode, prefix):
+def test_heavy_load_exercises_preemption_and_still_matches(mode, prefix, driver_cls):
     """A fixed overload (12 requests, 8 blocks) so the random runs are known to preempt."""
     rng = random.Random(f"{mode}-{prefix}")
     shared = [rng.randrange(3, 60) for _ in range(6)]
@@ -290,10 +334,12 @@ def test_heavy_load_exercises_preemption_and_still_matches(mode, prefix):
         eos_rate=0.0,
         requests=requests,
     )
-    driver = Driver(sc)
+    driver = driver_cls(sc)
     driver.run()
     driver.check_results()
     assert driver.sched.num_preemptions > 0
+    if driver_cls is AsyncDriver:
+        assert driver.runner.num_placeholders_fed > 0
     assert len(driver.reasons) == 12
     if prefix:
         assert driver.sched.kv_manager.prefix_hit_tokens > 0

@@ -133,6 +133,11 @@ class DeviceConfig:
     # (affinity mask, cgroup quota; compute/cpu_threads.py), at most torch's default
     num_threads: int | None = None
     cuda_graphs: bool = False  # reserved for CUDA-graph decode steps: no effect yet
+    # Schedule and launch step N+1 before step N's sampled ids reach the host, so the GPU
+    # never waits for Python between steps (compute/engine.py); outputs come one step
+    # later. None = on for CUDA, off on the CPU (where a step's work is done when its
+    # launch returns, so there is nothing to overlap).
+    async_output: bool | None = None
     # CPU steps on the compiled CPU kernels ("native", fp32 only) or torch ("torch");
     # "auto" = native when they build on this machine and the dtype is fp32.
     cpu_kernels: str = "auto"

@@ -71,7 +71,7 @@ class KVCacheManager:
         At least one token is left to compute so the step has logits to sample
         from; a hit therefore stops at the last full block before the final token.
         """
-        if self.prefix_cache is None or seq.block_ids:
+        if self.prefix_cache is None or seq.block_ids or seq.num_pending:
             return [], 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         blocks = []
@@ -112,7 +112,9 @@ class KVCacheManager:
         """Publish the blocks that ``seq``'s computed tokens have filled since last time."""
         if self.prefix_cache is None:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
+        # A block is keyed by its token ids, so one holding a pending placeholder waits.
+        known = min(seq.num_computed_tokens, seq.num_known_tokens)
+        num_full = min(known // self.block_size, len(seq.block_ids))
         start = self._num_registered.get(seq.request_id, 0)
         if num_full <= start:
             return

@@ -1,9 +1,9 @@
 """Typed hand-offs of one engine step: scheduler -> model runner -> scheduler -> caller.
 
-``Scheduler.schedule() -> SchedulerOutput``; ``ModelRunner.execute(...) ->
-ModelRunnerOutput`` (plain lists, no tensors);
-``Scheduler.update_from_output(...) -> list[RequestOutput]`` (per-request deltas; that
-record crosses to stage 3 as it is, so it lives in compute/core/messages.py).
+``Scheduler.schedule() -> SchedulerOutput``; ``ModelRunner.launch(...).resolve() ->
+ModelRunnerOutput`` (plain lists, no tensors); ``Scheduler.commit(...)`` then
+``Scheduler.resolve(...) -> list[RequestOutput]`` (per-request deltas; that record
+crosses to stage 3 as it is, so it lives in compute/core/messages.py).
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ from compute.core.sequence import Sequence
 @dataclass(frozen=True)
 class ScheduledSequence:
     seq: Sequence
-    # Tokens computed this step, starting at seq.num_computed_tokens. When
-    # num_computed_tokens + num_new_tokens == seq.num_tokens the step samples a token.
+    # Tokens computed this step, starting at seq.num_computed_tokens (as scheduled).
     num_new_tokens: int
+    # The step samples a token: it computes up to the sequence's last token. Fixed when
+    # scheduled; the sequence's counters move on when the step is committed.
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+        done = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        return cls(seq, num_new_tokens, done)
 
 
 @dataclass

@@ -100,6 +100,15 @@ class SamplingParams:
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 
+    @property
+    def penalized(self) -> bool:
+        """Sampling reads the tokens generated so far (compute/penalties.py)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
 
 def _check(field: str, ok: bool, rule: str, value: object = _UNSHOWN) -> None:
     if not ok:

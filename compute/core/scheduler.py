@@ -31,6 +31,17 @@ decode-only step bounds how long decodes run at that slower pace (their
 inter-token latency) under a steady stream of arrivals, at the cost of time
 to first token. 0 disables it.
 
+Asynchronous output (compute/engine.py): the engine may schedule step N+1 before step
+N's sampled ids reach the host. ``commit`` (once a step is launched) advances the step's
+sequences and appends a PLACEHOLDER for each token it samples; ``resolve`` (when the ids
+arrive, in launch order) puts the ids in their place, then stops, finishes and reports
+as usual.
+A sequence whose pending token already ends it by length is not scheduled again; one
+that an id ends (EOS, a stop token) may have run one step too many, whose token is
+dropped. A placeholder is never hashed into the prefix cache, and a sequence preempted
+with one pending is not readmitted until it resolves. ``update_from_output`` is the two
+at once (synchronous output).
+
 Pure Python, no torch: tested by feeding fake runner outputs.
 """
 
@@ -47,7 +58,7 @@ from compute.core.errors import FieldError
 from compute.core.kv_cache_manager import KVCacheManager
 from compute.core.messages import FinishReason, RequestOutput, TokenLogprob
 from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
-from compute.core.sequence import Sequence, SequenceStatus
+from compute.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from compute.core.step_plan import StepPlan
 
 
@@ -123,16 +134,17 @@ class Scheduler:
         seq = self._requests.get(request_id)
         if seq is None:
             return False
+        self._retire(seq, FinishReason.ABORT)
+        return True
+
+    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        # Wherever it is: a token resolved late may finish a sequence preempted meanwhile.
         queue = {
             SequenceStatus.WAITING: self.waiting,
             SequenceStatus.RUNNING: self.running,
             SequenceStatus.SWAPPED: self.swapped,
         }[seq.status]
         _remove(queue, seq)
-        self._retire(seq, FinishReason.ABORT)
-        return True
-
-    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
         self.kv_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -164,7 +176,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled:
                 continue  # preempted earlier in this step, or already served
-            if _is_decode(seq) != decodes:
+            if _is_decode(seq) != decodes or self._ends_when_resolved(seq):
                 continue
             if step.budget <= 0:
                 return
@@ -216,6 +228,8 @@ class Scheduler:
         kv = self.kv_manager
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                return  # preempted with a token in flight: it must know it to recompute
             blocks, num_hit = kv.get_computed_blocks(seq)
             n = min(seq.num_tokens - num_hit, step.budget)
             if not kv.allocate_slots(seq, n, blocks):
@@ -238,32 +252,57 @@ class Scheduler:
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Advance every scheduled sequence, append sampled tokens, finish the stopped."""
+        self.commit(sched_out)
+        return self.resolve(sched_out, runner_out)
+
+    def commit(self, sched_out: SchedulerOutput) -> None:
+        """The step was launched: its tokens are computed, and each sequence it samples
+        gets a placeholder for the token (``resolve`` fills it in)."""
+        for item in sched_out.scheduled:
+            seq = item.seq
+            if self._requests.get(seq.request_id) is not seq:
+                continue  # aborted (or failed) while the step was launched
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv_manager.cache_full_blocks(seq)
+            if item.samples:
+                seq.output_token_ids.append(PLACEHOLDER)
+                seq.num_pending += 1
+
+    def resolve(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """The committed step's sampled ids: fill its placeholders, finish the stopped."""
         samples = _index_samples(runner_out)
         outputs = []
         for item in sched_out.scheduled:
             seq = item.seq
             if self._requests.get(seq.request_id) is not seq:
-                continue  # aborted while the step was in flight
-            sampled = item.samples  # must be read before num_computed_tokens moves
-            seq.num_computed_tokens += item.num_new_tokens
-            self.kv_manager.cache_full_blocks(seq)
-            if not sampled:
+                continue  # aborted, failed or finished while the step was in flight
+            if not item.samples:
                 continue  # mid-prefill chunk: nothing to report yet
             if seq.request_id not in samples:
                 raise ValueError(f"runner output has no token for {seq.request_id}")
+            if not seq.num_pending:
+                raise RuntimeError(f"{seq.request_id}: a sampled token without its placeholder")
             token_id, logprob = samples[seq.request_id]
-            outputs.append(self._append_token(seq, token_id, logprob))
+            # Steps resolve in launch order, so this step's placeholder is the oldest.
+            index = seq.num_output_tokens - seq.num_pending
+            outputs.append(self._append_token(seq, index, token_id, logprob))
         return outputs
 
     def _append_token(
-        self, seq: Sequence, token_id: int, logprob: TokenLogprob | None
+        self, seq: Sequence, index: int, token_id: int, logprob: TokenLogprob | None
     ) -> RequestOutput:
-        seq.output_token_ids.append(token_id)
+        seq.output_token_ids[index] = token_id
+        seq.num_pending -= 1
+        self.kv_manager.cache_full_blocks(seq)  # a block the placeholder held back
         if seq.first_token_time is None:
             seq.first_token_time = self.clock()
-        reason, stop_token_id = self._stop_reason(seq, token_id)
+        num_output = index + 1
+        reason, stop_token_id = self._stop_reason(seq, token_id, num_output)
         if reason is not None:
-            _remove(self.running, seq)
+            del seq.output_token_ids[num_output:]  # a step run past the stop: its token goes
+            seq.num_pending = 0
             self._retire(seq, reason)
         return RequestOutput(
             request_id=seq.request_id,
@@ -274,19 +313,30 @@ class Scheduler:
             stop_token_id=stop_token_id,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=num_output,
             first_scheduled_time=seq.first_scheduled_time,
         )
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
+    def _stop_reason(
+        self, seq: Sequence, token_id: int, num_output: int
+    ) -> tuple[FinishReason | None, int | None]:
+        """Why ``seq`` stops at its ``num_output``-th output token, ``token_id``."""
         params = seq.sampling_params
         if token_id in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP, token_id
         if token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._ends_by_length(seq, num_output):
             return FinishReason.LENGTH, None
         return None, None
+
+    def _ends_by_length(self, seq: Sequence, num_output: int) -> bool:
+        num_tokens = seq.num_prompt_tokens + num_output
+        return num_output >= seq.sampling_params.max_tokens or num_tokens >= self.max_model_len
+
+    def _ends_when_resolved(self, seq: Sequence) -> bool:
+        """A pending token already ends ``seq`` by length: no step may follow it."""
+        return seq.num_pending > 0 and self._ends_by_length(seq, seq.num_output_tokens)
 
     # -- helpers ------------------------------------------------------------
 

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from compute.core.messages import FinishReason
 from compute.core.sampling_params import SamplingParams
 
+# An output token sampled by a step still in flight (asynchronous output, compute/engine.py):
+# it holds the token's place in ``output_token_ids`` until the step's ids reach the host.
+# The model runner feeds the step's sampled id from the device in its place.
+PLACEHOLDER = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -35,6 +40,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Trailing entries of output_token_ids that are PLACEHOLDERs: 0 with synchronous output,
+    # at most 1 between steps with asynchronous output (the step in flight).
+    num_pending: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -47,6 +55,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known (all of them but the pending placeholders)."""
+        return self.num_tokens - self.num_pending
 
     @property
     def all_token_ids(self) -> list[int]:

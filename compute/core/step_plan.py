@@ -23,7 +23,7 @@ class StepPlan:
         self.swap_in: list[tuple[int, int]] = []
 
     def add(self, seq: Sequence, num_new_tokens: int, is_decode: bool) -> None:
-        self.scheduled[seq.request_id] = ScheduledSequence(seq, num_new_tokens)
+        self.scheduled[seq.request_id] = ScheduledSequence.of(seq, num_new_tokens)
         if is_decode:
             self.decodes.add(seq.request_id)
         self.budget -= num_new_tokens
