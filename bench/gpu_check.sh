@@ -6,16 +6,22 @@
 # private directory; checks that compute/ and services/ import; runs the gpu-marked tests
 # (kernels first, stopping at the first failure; then the engine and service tests),
 # bench/kernels.py at a short setting, and compute-sanitizer memcheck and racecheck over a
-# subset of the kernel tests. Every step has its own time limit (GPU_CHECK_*_S below) so
+# subset of the kernel tests, and bench/step_gap.py (the GPU's idle time between steps,
+# synchronous vs asynchronous output, batch 8 and 64). Every step has its own time limit (GPU_CHECK_*_S below) so
 # the whole run ends inside a 10-minute command; a failing step does not stop the later
 # ones, and the exit status is that of the first failure.
 #
 # Results go to $OUT (the device tool's return folder; default bench/results/gpu-check-<ts>),
 # at most 8 files: summary.txt (versions and each step's status), pytest.log,
-# sanitizer.log, the kernel benchmark's JSON and PNG, and all.tar.gz with every log.
+# sanitizer.log, the kernel and step-gap benchmarks' JSON and PNG, and all.tar.gz with
+# every log.
 #
 # Use: bash bench/gpu_check.sh [steps...]   steps: versions install tests bench sanitize
-#      (default: all, in that order). Python: $PYTHON (default python3, the image's torch).
+#      (default: all, in that order), and engine: bench/engine_gpu.py (headrace vs HF
+#      static batching, 256 requests of 512 + 128 tokens, SmolLM2 and Llama-1B shapes),
+#      not in the default list because with it the run could pass a 10-minute command:
+#      run it as `bash bench/gpu_check.sh versions install engine`.
+#      Python: $PYTHON (default python3, the image's torch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +34,8 @@ SITE=${GPU_SITE_DIR:-/tmp/headrace-site}
 KERNEL_TESTS_S=${GPU_CHECK_KERNEL_TESTS_S:-180} # tests/test_kernels_gpu.py, -x
 ENGINE_TESTS_S=${GPU_CHECK_ENGINE_TESTS_S:-150} # every other gpu-marked test
 BENCH_S=${GPU_CHECK_BENCH_S:-70}                # bench/kernels.py, short setting
+GAP_S=${GPU_CHECK_GAP_S:-60}                    # bench/step_gap.py, 50 steps per run
+ENGINE_BENCH_S=${GPU_CHECK_ENGINE_BENCH_S:-400} # bench/engine_gpu.py, both shapes
 SANITIZE_S=${GPU_CHECK_SANITIZE_S:-60}          # each of memcheck and racecheck
 PER_TEST_S=${GPU_CHECK_PER_TEST_S:-120}
 LOGS=$(mktemp -d)
@@ -103,6 +111,17 @@ bench() {
   for f in $(ls -t bench/results/kernels-*.json bench/results/kernels-*.png 2>/dev/null | head -n 2); do
     cp "$f" "$OUT/"
   done
+  step bench-step-gap "$GAP_S" bench.log "$PYTHON" bench/step_gap.py --device cuda --steps 50
+  for f in $(ls -t bench/results/step-gap-gpu-*.json bench/results/step-gap-gpu-*.png 2>/dev/null | head -n 2); do
+    cp "$f" "$OUT/"
+  done
+}
+
+engine() {
+  step bench-engine "$ENGINE_BENCH_S" bench.log "$PYTHON" bench/engine_gpu.py
+  for f in $(ls -t bench/results/engine-gpu-*.json bench/results/engine-gpu-*.png 2>/dev/null | head -n 2); do
+    cp "$f" "$OUT/"
+  done
 }
 
 sanitize() {
@@ -127,8 +146,8 @@ STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(versions install tests bench sanitize)
 for s in "${STEPS[@]}"; do
   case $s in
-    versions | install | tests | bench | sanitize) "$s" ;;
-    *) note "unknown step $s (steps: versions install tests bench sanitize)" ;;
+    versions | install | tests | bench | sanitize | engine) "$s" ;;
+    *) note "unknown step $s (steps: versions install tests bench sanitize engine)" ;;
   esac
 done
 

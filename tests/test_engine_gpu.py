@@ -131,3 +131,85 @@ def test_prefix_cache_and_abort_on_the_gpu(cpu_weights, launch_counts):
         engine.abort(f"abort-{i}")
     assert engine.stats().num_free_blocks == total and not engine.has_unfinished()
     torch.cuda.synchronize()  # a kernel fault would surface here
+
+
+def _run_mixed(engine: Engine, params: list[SamplingParams], abort_at: int) -> dict:
+    """Step a seeded mixed batch by hand (as the step loop does), aborting request 3."""
+    for i, (prompt, p) in enumerate(zip(prompts(4), params, strict=True)):
+        engine.add_request(f"m{i}", prompt, p)
+    got: dict[str, list] = {f"m{i}": [[], None] for i in range(len(params))}
+    for step in range(1000):
+        if not engine.has_unfinished():
+            break
+        if step == abort_at:
+            engine.abort("m3")
+        for out in engine.step():
+            got[out.request_id][0].extend(out.new_token_ids)
+            got[out.request_id][1] = out.finish_reason
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+    return got
+
+
+def test_async_output_gives_the_outputs_of_sync_output(cpu_weights):
+    """Asynchronous output (the default on CUDA) against synchronous output: the same
+    tokens and finish reasons for greedy, seeded, stop-token and length-capped requests.
+    The request aborted at a fixed step may have streamed one token fewer (its outputs
+    come a step later). A request stopped by a token runs one step more in async mode;
+    if this fails only there, suspect a GEMM that is not batch invariant, not the
+    bookkeeping (which tests/test_async_output.py checks exactly on the CPU)."""
+    reference = greedy_tokens(make_engine(cpu_weights, "cuda", torch.bfloat16), prompts(4))
+    params = []
+    for i in range(16):
+        if i % 4 == 1:
+            params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=12 + i))
+        elif i % 4 == 2:  # stops on the token it would emit fifth
+            stop = reference[i][4]
+            params.append(
+                SamplingParams(
+                    temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=(stop,)
+                )
+            )
+        else:
+            params.append(SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True))
+    sync = make_engine(cpu_weights, "cuda", torch.bfloat16)  # fresh: no prefix-cache hits
+    sync.async_output = False
+    expected = _run_mixed(sync, params, abort_at=6)
+    engine = make_engine(cpu_weights, "cuda", torch.bfloat16)
+    assert engine.async_output  # on by default for CUDA
+    got = _run_mixed(engine, params, abort_at=6)
+    aborted, expected_aborted = got.pop("m3"), expected.pop("m3")
+    assert got == expected
+    assert len(expected_aborted[0]) - len(aborted[0]) in (0, 1)
+    assert aborted[0] == expected_aborted[0][: len(aborted[0])]
+    assert any(reason is not None and reason.value == "stop" for _, reason in got.values())
+    torch.cuda.synchronize()
+
+
+def test_async_step_never_waits_for_work_queued_after_the_step_it_reads(cpu_weights):
+    """The point of asynchronous output: step() launches step N+1 and reads step N's ids
+    without waiting for anything queued after step N (a sleeping kernel here), so no
+    host-to-device copy of the inputs and no read of the outputs synchronizes the stream."""
+    engine = make_engine(cpu_weights, "cuda", torch.bfloat16)
+    engine.add_request("a", prompts()[1], GREEDY)
+    engine.step()  # step 1 (the prefill) launched, nothing read
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued before step 2
+    slept = torch.cuda.Event()
+    slept.record()
+    outputs = engine.step()  # launches step 2 behind the sleep, reads step 1
+    assert not slept.query(), "step() waited for the GPU work queued after step 1"
+    assert [len(o.new_token_ids) for o in outputs] == [1]
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+
+
+def test_device_tensor_is_queued_not_waited_for():
+    from kernels.transfer import device_tensor
+
+    torch.cuda._sleep(2_000_000_000)
+    slept = torch.cuda.Event()
+    slept.record()
+    t = device_tensor([[1, 2], [3, 4]], torch.int32, "cuda")
+    assert not slept.query(), "the copy waited for the kernel queued before it"
+    assert t.dtype == torch.int32 and t.tolist() == [[1, 2], [3, 4]]
