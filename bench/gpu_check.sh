@@ -17,10 +17,11 @@
 # every log.
 #
 # Use: bash bench/gpu_check.sh [steps...]   steps: versions install tests bench sanitize
-#      (default: all, in that order), and engine: bench/engine_gpu.py (headrace vs HF
-#      static batching, 256 requests of 512 + 128 tokens, SmolLM2 and Llama-1B shapes),
-#      not in the default list because with it the run could pass a 10-minute command:
-#      run it as `bash bench/gpu_check.sh versions install engine`.
+#      (default: all, in that order), and two not in the default list because with them
+#      the run could pass a 10-minute command: engine (bench/engine_gpu.py: headrace vs
+#      HF static batching, 256 requests of 512 + 128 tokens, SmolLM2 and Llama-1B shapes)
+#      and graphs (bench/cuda_graphs.py: decode steps with and without CUDA graphs);
+#      run them as `bash bench/gpu_check.sh versions install engine graphs`.
 #      Python: $PYTHON (default python3, the image's torch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +37,7 @@ ENGINE_TESTS_S=${GPU_CHECK_ENGINE_TESTS_S:-150} # every other gpu-marked test
 BENCH_S=${GPU_CHECK_BENCH_S:-70}                # bench/kernels.py, short setting
 GAP_S=${GPU_CHECK_GAP_S:-60}                    # bench/step_gap.py, 50 steps per run
 ENGINE_BENCH_S=${GPU_CHECK_ENGINE_BENCH_S:-400} # bench/engine_gpu.py, both shapes
+GRAPHS_BENCH_S=${GPU_CHECK_GRAPHS_BENCH_S:-300} # bench/cuda_graphs.py, both shapes
 SANITIZE_S=${GPU_CHECK_SANITIZE_S:-60}          # each of memcheck and racecheck
 PER_TEST_S=${GPU_CHECK_PER_TEST_S:-120}
 LOGS=$(mktemp -d)
@@ -124,6 +126,13 @@ engine() {
   done
 }
 
+graphs() {
+  step bench-graphs "$GRAPHS_BENCH_S" bench.log "$PYTHON" bench/cuda_graphs.py
+  for f in $(ls -t bench/results/cuda-graphs-*.json bench/results/cuda-graphs-*.png 2>/dev/null | head -n 2); do
+    cp "$f" "$OUT/"
+  done
+}
+
 sanitize() {
   if ! command -v compute-sanitizer >/dev/null; then
     note "step sanitize: compute-sanitizer not found, skipped"
@@ -146,8 +155,8 @@ STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(versions install tests bench sanitize)
 for s in "${STEPS[@]}"; do
   case $s in
-    versions | install | tests | bench | sanitize | engine) "$s" ;;
-    *) note "unknown step $s (steps: versions install tests bench sanitize engine)" ;;
+    versions | install | tests | bench | sanitize | engine | graphs) "$s" ;;
+    *) note "unknown step $s (steps: versions install tests bench sanitize engine graphs)" ;;
   esac
 done
 

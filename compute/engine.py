@@ -39,6 +39,7 @@ from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence
 from compute.cpu_threads import available_cpus, default_threads
+from compute.cuda_graphs import DecodeGraphs
 from compute.fault_isolation import launch_isolating
 from compute.loaders import LoadedModel, load_model
 from compute.log import get_logger
@@ -141,6 +142,7 @@ class Engine:
         self.runner = ModelRunner(
             model, config.cache, self.num_blocks, num_host_blocks, config.seed
         )
+        self.runner.graphs = self._decode_graphs(config)
         self.memory = log_memory(model, self.runner)  # one 'memory' log line: where RSS goes
         self.scheduler = Scheduler(
             config.scheduler,
@@ -161,6 +163,34 @@ class Engine:
         self._prompt_tokens = 0
         self.last_step_timing: StepTiming | None = None  # of the latest step()
         self._generation_tokens = 0
+
+    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps when asked (or by default on CUDA). A capture that
+        fails is logged and the engine runs eagerly: slower, not wrong."""
+        wanted = config.device.cuda_graphs
+        if self.device.type != "cuda":
+            if wanted:
+                log.info("cuda graphs: ignored on the CPU", device=str(self.device))
+            return None
+        if wanted is False:
+            return None
+        try:
+            return DecodeGraphs(
+                self.runner.model,
+                self.runner.kv_caches,
+                config.cache.block_size,
+                config.scheduler.max_num_seqs,
+                self.max_model_len,
+            )
+        except Exception:
+            log.exception("cuda graph capture failed: decode steps run eagerly")
+            return None
+
+    @property
+    def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
+        """Batch sizes whose decode steps replay a captured graph (empty: none)."""
+        graphs = self.runner.graphs
+        return graphs.captured if graphs is not None else ()
 
     def add_request(
         self,

@@ -28,6 +28,7 @@ from compute.core.config import (
 )
 from compute.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from compute.core.sequence import Sequence
+from compute.cuda_graphs import DecodeGraphs
 from compute.fault_injection import FaultInjector
 from compute.model import LlamaModel
 from compute.sampler import LogprobRows, Sampler
@@ -135,6 +136,7 @@ class ModelRunner:
         # (before, after): called around every launch (bench/step_gap.py records CUDA
         # events there, to see the device's idle time between steps); None: no calls.
         self.launch_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps (the engine's)
 
     @property
     def faults(self) -> FaultInjector | None:
@@ -186,7 +188,11 @@ class ModelRunner:
         batch = self.prepare(scheduled)
         if self._faults is not None:
             self._faults.check_forward([item.seq for item in scheduled])
-        hidden = self.model.forward(batch.token_ids, batch.positions, self.kv_caches, batch.meta)
+        hidden = self.graphs.run(batch) if self.graphs is not None else None
+        if hidden is None:  # no graph for this step (or none at all): eager
+            hidden = self.model.forward(
+                batch.token_ids, batch.positions, self.kv_caches, batch.meta
+            )
         self.forward_end = time.perf_counter()  # read by Engine.step for StepTiming
         if not batch.sampling_seqs:
             return result

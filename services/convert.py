@@ -207,4 +207,6 @@ def model_info_to_pb(info: ModelInfo) -> pb.GetModelInfoResponse:
         block_size=info.block_size,
         kv_cache_capacity_tokens=info.kv_cache_capacity_tokens,
         weights=info.weights,
+        cuda_graph_batch_sizes=info.cuda_graph_batch_sizes,
+        async_output=info.async_output,
     )

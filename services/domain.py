@@ -77,6 +77,8 @@ class ModelInfo:
     block_size: int
     kv_cache_capacity_tokens: int
     weights: str = "dense"  # --weights as it took effect: dense, quantized, quantized-int8
+    cuda_graph_batch_sizes: tuple[int, ...] = ()  # captured decode graphs (--cuda-graphs)
+    async_output: bool = False  # --async-output as it took effect
 
 
 class RequestError(Exception):

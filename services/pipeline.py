@@ -197,6 +197,8 @@ class Pipeline:
             block_size=engine.block_size,
             kv_cache_capacity_tokens=engine.request_limits.kv_capacity_tokens,
             weights=engine.weights,
+            cuda_graph_batch_sizes=engine.cuda_graph_batch_sizes,
+            async_output=engine.async_output,
         )
 
     def engine_stats(self) -> EngineStats:

@@ -77,6 +77,8 @@ class FakeEngine:
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.weights = "dense"
+        self.cuda_graph_batch_sizes: tuple[int, ...] = ()
+        self.async_output = False
         self.max_num_seqs = max_num_seqs
         self.step_delay = step_delay
         self.poison_token = poison_token  # a running prompt holding it makes step() raise

@@ -1,7 +1,8 @@
-"""The GPU benchmarks of issue 17 run end to end on the CPU with small numbers: the
-plumbing a GPU session relies on (bench/step_gap.py: launch hooks around every launch,
-both output modes; bench/engine_gpu.py: the same dummy weights in headrace and HF, the
-batch-size probe, the JSON's top-level keys)."""
+"""The GPU benchmarks of issues 16 and 17 run end to end on the CPU with small numbers:
+the plumbing a GPU session relies on (bench/step_gap.py: launch hooks around every
+launch, both output modes; bench/engine_gpu.py: the same dummy weights in headrace and
+HF, the batch-size probe, the JSON's top-level keys; bench/cuda_graphs.py: both engines,
+every case, the JSON's top-level keys)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.append(str(BENCH))
 
 import common  # noqa: E402
+import cuda_graphs  # noqa: E402
 import engine_gpu  # noqa: E402
 import step_gap  # noqa: E402
 
@@ -94,3 +96,20 @@ def test_hf_baseline_computes_what_headrace_computes() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     [ours] = engine.generate([prompt], params)
     assert out[0, len(prompt) :].tolist() == ours.token_ids
+
+
+def test_cuda_graphs_dry_run_on_the_cpu(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    argv = ["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--batches", "1,3",
+            "--contexts", "16,40", "--steps", "3", "--stream-tokens", "6",
+            "--kv-cache-memory-gib", "0.02", "--name", "cg"]  # fmt: skip
+    cuda_graphs.main(argv)
+    [path] = tmp_path.glob("cg-cpu-*.json")
+    assert list(tmp_path.glob("cg-cpu-*.png"))
+    result = json.loads(path.read_text())
+    assert result["gpu"] == "cpu" and result["speedup_batch1"] > 0
+    assert set(result["single_stream_tok_s"]) == {"eager", "graphs"}
+    cases = [(r["graphs"], r["context"], r["batch"]) for r in result["rows"] if "batch" in r]
+    assert sorted(cases) == sorted(
+        (g, c, b) for g in (False, True) for c in (16, 40) for b in (1, 3)
+    )

@@ -132,7 +132,9 @@ class DeviceConfig:
     # CPU threads (torch and the CPU kernels); None = the CPUs this process may use
     # (affinity mask, cgroup quota; compute/cpu_threads.py), at most torch's default
     num_threads: int | None = None
-    cuda_graphs: bool = False  # reserved for CUDA-graph decode steps: no effect yet
+    # Decode steps replayed from CUDA graphs, one per bucketed batch size (compute/
+    # cuda_graphs.py). None = on for CUDA; ignored on the CPU (with a log line).
+    cuda_graphs: bool | None = None
     # Schedule and launch step N+1 before step N's sampled ids reach the host, so the GPU
     # never waits for Python between steps (compute/engine.py); outputs come one step
     # later. None = on for CUDA, off on the CPU (where a step's work is done when its

@@ -207,7 +207,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "block_size", "kv_cache_capacity_tokens", "weights")
+    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "block_size", "kv_cache_capacity_tokens", "weights", "cuda_graph_batch_sizes", "async_output")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,8 @@ class GetModelInfoResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPH_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     max_model_len: int
@@ -228,4 +230,6 @@ class GetModelInfoResponse(_message.Message):
     block_size: int
     kv_cache_capacity_tokens: int
     weights: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., weights: _Optional[str] = ...) -> None: ...
+    cuda_graph_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    async_output: bool
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., weights: _Optional[str] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., async_output: _Optional[bool] = ...) -> None: ...
