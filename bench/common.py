@@ -197,6 +197,12 @@ def hf_generate_kwargs(max_new_tokens: int) -> dict[str, Any]:
     }
 
 
+def sync(device: str) -> None:
+    """Timestamps must see finished GPU work, not just queued kernels."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile (q in [0, 100]); None for an empty list."""
     if not values:

@@ -46,11 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def make_engine(args: argparse.Namespace, shape: str, graphs: bool, max_seqs: int) -> Engine:
     longest = max(int(c) for c in args.contexts.split(",")) + args.steps + args.stream_tokens
     engine = Engine(
@@ -86,10 +81,10 @@ def decode_step_ms(engine: Engine, args: argparse.Namespace, batch: int, context
     engine.step()
     times = []
     for _ in range(args.steps):
-        sync(args.device)
+        common.sync(args.device)
         start = time.perf_counter()
         engine.step()
-        sync(args.device)
+        common.sync(args.device)
         times.append(time.perf_counter() - start)
     for rid in ids:
         engine.abort(rid)
@@ -104,7 +99,7 @@ def single_stream_tok_s(engine: Engine, args: argparse.Namespace) -> float:
     stamps = []
     while engine.has_unfinished():
         if engine.step():
-            sync(args.device)
+            common.sync(args.device)
             stamps.append(time.perf_counter())
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 

@@ -52,12 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def sync(device: str) -> None:
-    """Timestamps must see finished GPU work, not just queued kernels."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def load_headrace(args: argparse.Namespace) -> tuple[Any, float]:
     from compute.core.config import DeviceConfig, EngineConfig
     from compute.engine import Engine
@@ -84,7 +78,7 @@ def headrace_runner(engine: Any, device: str) -> Runner:
         engine.add_request(f"decode-{next(counter)}", prompt, params)
         while engine.has_unfinished():
             for out in engine.step():
-                sync(device)
+                common.sync(device)
                 now = time.perf_counter()
                 stamps.extend(now for _ in out.new_token_ids)
                 ids.extend(out.new_token_ids)
@@ -124,7 +118,7 @@ def hf_runner(model: Any, device: str) -> Runner:
                 streamer=streamer,
                 **common.hf_generate_kwargs(new_tokens),
             )
-        sync(device)
+        common.sync(device)
         return streamer.stamps, out[0, len(prompt) :].tolist(), start
 
     return run

@@ -65,11 +65,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def prompts(args: argparse.Namespace, vocab_size: int, count: int) -> list[list[int]]:
     rng = random.Random(args.seed)
     return [[rng.randrange(4, vocab_size) for _ in range(args.prompt_len)] for _ in range(count)]
@@ -94,10 +89,10 @@ def run_headrace(args: argparse.Namespace, shape: str, loaded: LoadedModel) -> d
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine.generate(prompts(args, loaded.config.vocab_size, 2), warm)  # kernels compile here
     batch = prompts(args, loaded.config.vocab_size, args.num_requests)
-    sync(args.device)
+    common.sync(args.device)
     start = time.perf_counter()
     outs = engine.generate(batch, params)
-    sync(args.device)
+    common.sync(args.device)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     if tokens != args.num_requests * args.output_len:
@@ -150,7 +145,7 @@ def hf_batch_tok_s(model, batch: list[list[int]], args: argparse.Namespace) -> f
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), **common.hf_generate_kwargs(args.output_len)
         )
-    sync(args.device)
+    common.sync(args.device)
     if out.shape[1] != ids.shape[1] + args.output_len:
         raise RuntimeError(f"HF generated {out.shape[1] - ids.shape[1]} tokens")
     return len(batch) * args.output_len / (time.perf_counter() - start)

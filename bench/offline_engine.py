@@ -12,13 +12,7 @@ from itertools import pairwise
 from typing import Any
 
 import common
-import torch
 from offline_workload import Workload, int_list
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def load_engine(args: argparse.Namespace, max_num_seqs: int, prefill_interval: int):
@@ -77,7 +71,7 @@ def drive(engine: Any, workload: Workload, device: str) -> tuple[StepLog, dict[s
             time.sleep(max(0.0, workload.arrivals[next_i] - now))  # idle until the next one
             continue
         outputs = engine.step()
-        sync(device)
+        common.sync(device)
         now = time.perf_counter() - start - instrumentation
         produced = 0
         for out in outputs:

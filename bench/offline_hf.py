@@ -10,7 +10,6 @@ from typing import Any
 
 import common
 import torch
-from offline_engine import sync
 from offline_workload import Workload
 
 
@@ -29,7 +28,7 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new: int, device: str)
     ids, mask = left_pad(prompts, device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, **common.hf_generate_kwargs(max_new))
-    sync(device)
+    common.sync(device)
     if out.shape[1] != ids.shape[1] + max_new:
         raise RuntimeError(f"HF generated {out.shape[1] - ids.shape[1]} tokens, not {max_new}")
 
