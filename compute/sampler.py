@@ -16,10 +16,11 @@ Conventions:
 - Random draws invert the CDF: one uniform ``u`` per row picks the first token whose
   float64 cumulative probability exceeds ``u * total``. A seeded request draws its one
   uniform per token from its own generator, so its draws depend neither on the other
-  rows of the batch nor on its row position. (Its logits may still differ in their last
-  bits with the batch's row count where a projection runs through torch's GEMM, as the
-  embedded model's projections fused from mixed GGUF formats do: ~1e-5, enough to move
-  a draw that lands that close to a token's boundary.) Unseeded rows share the sampler's
+  rows of the batch nor on its row position. (Its logits do too only where the model's
+  sums do not depend on the batch: the CPU kernels' quantized matmuls sum in one fixed
+  order, but ``--weights dense`` projections go through torch's GEMM, whose sums change
+  with the row count (~1e-5 on the embedded model), as GPU GEMMs may: enough to move a
+  draw that lands that close to a token's boundary.) Unseeded rows share the sampler's
   generator in one batched draw. (An exponential race, ``argmax(probs / E)``, needs a
   vocabulary's worth of random numbers per token: 3M per step at batch 64, which cost
   more than the model's attention on a CPU.)
