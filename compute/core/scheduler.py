@@ -295,7 +295,9 @@ class Scheduler:
     ) -> RequestOutput:
         seq.output_token_ids[index] = token_id
         seq.num_pending -= 1
-        self.kv_manager.cache_full_blocks(seq)  # a block the placeholder held back
+        if seq.num_prompt_tokens + index < seq.num_computed_tokens:
+            # Already an input (asynchronous output): its block may be full now.
+            self.kv_manager.cache_full_blocks(seq)
         if seq.first_token_time is None:
             seq.first_token_time = self.clock()
         num_output = index + 1
