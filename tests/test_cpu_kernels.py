@@ -177,6 +177,26 @@ def test_paged_attention_is_batch_invariant_bitwise():
         start += qlen
 
 
+def test_a_query_gives_the_same_bits_decoded_or_in_a_prefill_chunk():
+    """Recomputing a sequence (preemption, a prefix-cache miss) must not change a token: a
+    query attends with the same arithmetic alone (decode) as in a prefill chunk, wherever
+    the chunk starts and whichever query tile and row block it lands in."""
+    ctx, heads, kv_heads = 77, 9, 3
+    query, cache, meta = build_case([(ctx, ctx)], 16, heads=heads, kv_heads=kv_heads)
+    table = meta.block_tables[:, : -(-ctx // 16)].tolist()
+    prefill = cpu.paged_attention(query, cache.key, cache.value, meta, 0.125)
+    for qlen in (1, 5, 16, 17, 40):  # a suffix of qlen queries as one chunk
+        chunk = AttentionMetadata.build([qlen], [ctx], table, 16)
+        got = cpu.paged_attention(query[ctx - qlen :].contiguous(), cache.key, cache.value,
+                                  chunk, 0.125)  # fmt: skip
+        assert torch.equal(got, prefill[ctx - qlen :]), qlen
+    for pos in (0, 15, 16, 50, ctx - 1):  # each query decoded alone over its prefix
+        alone = AttentionMetadata.build([1], [pos + 1], table, 16)
+        got = cpu.paged_attention(query[pos : pos + 1].contiguous(), cache.key, cache.value,
+                                  alone, 0.125)  # fmt: skip
+        assert torch.equal(got, prefill[pos : pos + 1]), pos
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("cols", [32, 64, 576])
 @pytest.mark.parametrize("rows", [1, 16, 21])  # one partial tile, one whole, one and a part
@@ -260,3 +280,31 @@ def test_int8_linear_gives_the_same_bits_on_every_isa():
             outs.append(out)
         for isa, out in zip(runnable[1:], outs[1:], strict=True):
             assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"
+
+
+def test_paged_attention_gives_the_same_bits_on_every_isa():
+    """The AVX-512 transpose and the AVX2 build's scalar one feed the same fused
+    multiply-adds in the same order."""
+    from kernels import cpu_build
+
+    flags = cpu_build.cpu_flags()
+    runnable = [isa for isa, (_, need) in cpu_build.ISA_LEVELS.items() if set(need) <= flags]
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs only {runnable}")
+    query, cache, meta = build_case([(1, 40), (20, 100), (3, 3)], 16, heads=8, kv_heads=2)
+    outs = []
+    for isa in runnable:
+        lib = _isa_library(isa)
+        lib.hr_paged_attention.argtypes = cpu._SIGNATURES["hr_paged_attention"]
+        lib.hr_paged_attention.restype = None
+        out = torch.empty_like(query)
+        lib.hr_paged_attention(
+            query.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(),
+            meta.block_tables.data_ptr(), meta.context_lens.data_ptr(),
+            meta.query_start_loc.data_ptr(), meta.num_seqs, 8, 2, 64, 16,
+            meta.block_tables.shape[1], 0.125, out.data_ptr(),
+        )  # fmt: skip
+        outs.append(out)
+    assert not torch.isnan(outs[0]).any()
+    for isa, out in zip(runnable[1:], outs[1:], strict=True):
+        assert torch.equal(out, outs[0]), f"{isa} differs from {runnable[0]}"

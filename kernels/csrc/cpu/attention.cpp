@@ -3,12 +3,29 @@
 // Layout and mask follow kernels/metadata.py: caches [num_blocks, B, Hkv, D], the slot
 // of position p is table[p / B] * B + p % B, and query j of a sequence with context
 // ctx and query length Q sits at position ctx - Q + j and sees keys 0..ctx - Q + j.
-// Keys past a query's last visible position are never read, so whatever the unused
-// slots hold (tests fill them with NaN) cannot reach the result.
+// Slots past a sequence's context are never read, so whatever they hold (tests fill them
+// with NaN) cannot reach the result; keys past a query's last visible one (later queries
+// of its tile see them) are masked before the softmax and skipped in the sum over V.
 //
-// One work item is (sequence, KV head, tile of queries); its query heads share every
-// K/V row it loads (GQA). Scores, softmax and accumulators are fp32, softmax online in
-// chunks of up to 16 keys (running max, rescaled sums).
+// One work item is (sequence, KV head, tile of queries): its query rows (queries x the KV
+// head's query heads, GQA) share every K/V row it loads. Keys go in chunks of 16 with an
+// online softmax (running max, rescaled sums), fp32 throughout.
+//
+// The arithmetic of one (query, head) row is fixed, whichever of two vectorizations runs it:
+//   score(q, k) = (fma(q[D-1], k[D-1], ... fma(q[1], k[1], fma(q[0], k[0], 0)))) * scale:
+//                 one fused multiply-add per dimension, in order
+//   per chunk:    keys past the row's last visible one score -inf; m' = max(m, chunk max);
+//                 c = exp16(m - m'); p = exp16(s - m'); sum = fma(sum, c, hsum(p));
+//                 acc = acc * c, then acc = fma(v_i, p_i, acc) for each visible key in order
+//   at the end:   out = acc * (1 / sum); chunks past the row's last visible key are skipped
+// - few rows (decode): lanes over the chunk's 16 keys (its K rows transposed once per
+//   chunk, shared by the item's rows), rows one after another;
+// - many rows (prefill): lanes over 16 rows (the queries transposed once per item), keys
+//   one after another, so max, exp and sums of 16 rows take one instruction each.
+// Both run the same operations per (row, key) in the same order, and sum a chunk's 16
+// probabilities in the same pairwise tree (hsum's).
+// So a query gives the same bits alone or batched, decoded or in a prefill chunk of any
+// length, on every ISA (tests/test_cpu_kernels.py checks all three).
 #include <omp.h>
 
 #include <algorithm>
@@ -18,70 +35,298 @@
 
 namespace {
 
-constexpr int kChunk = 16;       // keys per softmax step
-constexpr int64_t kQTile = 8;    // queries of one sequence per work item
+constexpr int kChunk = 16;      // keys per softmax step
+constexpr int64_t kQTile = 16;  // queries of one sequence per work item
+constexpr int64_t kLaneRows = 8;  // an item with at least this many rows puts rows in lanes
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;
 };
 
-// Dot product of two rows of `dim` floats (dim % 16 == 0).
-inline float dot(const float* a, const float* b, int64_t dim) {
-  v16f acc = load16(a) * load16(b);
-  for (int64_t c = 16; c < dim; c += 16) acc += load16(a + c) * load16(b + c);
-  return hsum(acc);
-}
-
-// Online-softmax state of one (query, head).
-struct Running {
-  float max = -INFINITY, sum = 0.0f;
-};
-
-// One query head over keys [0, visible) of a sequence; acc receives softmax(qK^T) V.
-void attend(const float* q, const float* kc, const float* vc, const int32_t* table,
-            const Shape& s, int64_t kv_head, int64_t visible, float scale, float* acc) {
-  const int64_t row = s.kv_heads * s.dim;  // floats per token slot
-  Running run;
-  std::fill(acc, acc + s.dim, 0.0f);
-  float scores[kChunk];
-  const float* rows[kChunk];
-  for (int64_t t0 = 0; t0 < visible; t0 += kChunk) {
-    const int64_t n = std::min<int64_t>(kChunk, visible - t0);
-    float chunk_max = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t pos = t0 + i;
-      const int64_t slot = static_cast<int64_t>(table[pos / s.block_size]) * s.block_size +
-                           pos % s.block_size;
-      rows[i] = kc + slot * row + kv_head * s.dim;
-      scores[i] = dot(q, rows[i], s.dim) * scale;
-      chunk_max = std::max(chunk_max, scores[i]);
-    }
-    const float new_max = std::max(run.max, chunk_max);
-    const float correction = std::exp(run.max - new_max);  // exp(-inf) = 0 at the start
-    v16f sv = load16(scores);
-    for (int64_t i = n; i < kChunk; ++i) sv[i] = -INFINITY;
-    const v16f p = exp16(sv - new_max);
-    float probs[kChunk];
-    store16(probs, p);
-    run.sum = run.sum * correction + hsum(p);
-    run.max = new_max;
-    for (int64_t c = 0; c < s.dim; c += 16) {
-      v16f a = load16(acc + c) * correction;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* v = vc + (rows[i] - kc) + c;
-        a += load16(v) * probs[i];
-      }
-      store16(acc + c, a);
-    }
+// kt[d * 16 + i] = rows[i][c + d] for d < 16: one 16 x 16 block of a chunk's transpose.
+inline void transpose16(const float* const* rows, int64_t c, float* kt) {
+#ifdef __AVX512F__
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + c);
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows, 32-bit interleaved
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
   }
-  const float inv = run.sum > 0.0f ? 1.0f / run.sum : 0.0f;
-  for (int64_t c = 0; c < s.dim; c += 16) store16(acc + c, load16(acc + c) * inv);
+  for (int g = 0; g < 16; g += 4) {  // quads of rows, 64-bit interleaved
+    const __m512d a = _mm512_castps_pd(t[g]), b = _mm512_castps_pd(t[g + 1]);
+    const __m512d x = _mm512_castps_pd(t[g + 2]), y = _mm512_castps_pd(t[g + 3]);
+    r[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, x));      // columns 0, 4, 8, 12
+    r[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, x));  // 1, 5, 9, 13
+    r[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, y));  // 2, 6, 10, 14
+    r[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, y));  // 3, 7, 11, 15
+  }
+  // r[4q + j]: columns j, j + 4, j + 8, j + 12 of rows 4q..4q + 3, one per 128 bits.
+  for (int j = 0; j < 4; ++j) {
+    const __m512 lo0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);  // cols j, j+8: rows 0-7
+    const __m512 hi0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);  // cols j+4, j+12
+    const __m512 lo1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);  // rows 8-15
+    const __m512 hi1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    _mm512_storeu_ps(kt + 16 * j, _mm512_shuffle_f32x4(lo0, lo1, 0x88));
+    _mm512_storeu_ps(kt + 16 * (j + 8), _mm512_shuffle_f32x4(lo0, lo1, 0xdd));
+    _mm512_storeu_ps(kt + 16 * (j + 4), _mm512_shuffle_f32x4(hi0, hi1, 0x88));
+    _mm512_storeu_ps(kt + 16 * (j + 12), _mm512_shuffle_f32x4(hi0, hi1, 0xdd));
+  }
+#else
+  for (int i = 0; i < 16; ++i)
+    for (int d = 0; d < 16; ++d) kt[d * 16 + i] = rows[i][c + d];
+#endif
 }
+
+// s[r] = sum over d of a[r][d] * b[d], one fused multiply-add per d in order: a[r] are NR
+// scalar streams, b vectors at b + 16 d. NR independent chains keep the FMA units busy.
+template <int NR>
+inline void fma_chains(const float* const* a, const float* b, int64_t dim, v16f* s) {
+  v16f acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = splat(0.0f);
+  for (int64_t d = 0; d < dim; ++d) {
+    const v16f bv = load16(b + 16 * d);
+    for (int r = 0; r < NR; ++r) acc[r] = fma16(splat(a[r][d]), bv, acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) s[r] = acc[r];
+}
+
+// fma_chains for up to 8 streams.
+inline void fma_chains_n(const float* const* a, int n, const float* b, int64_t dim, v16f* s) {
+  switch (n) {
+    case 8: return fma_chains<8>(a, b, dim, s);
+    case 7: return fma_chains<7>(a, b, dim, s);
+    case 6: return fma_chains<6>(a, b, dim, s);
+    case 5: return fma_chains<5>(a, b, dim, s);
+    case 4: return fma_chains<4>(a, b, dim, s);
+    case 3: return fma_chains<3>(a, b, dim, s);
+    case 2: return fma_chains<2>(a, b, dim, s);
+    default: return fma_chains<1>(a, b, dim, s);
+  }
+}
+
+// One query row of an item: where it reads and writes, and how many keys it sees.
+struct Row {
+  const float* q;
+  float* out;
+  int64_t visible;  // keys 0..visible - 1
+};
 
 struct Item {
   int32_t seq, h0, h1;  // query heads [h0, h1), all of one KV head's group
   int64_t q0, q1;       // queries [q0, q1) of the sequence
 };
+
+// Per-thread scratch, reused across items.
+struct Scratch {
+  std::vector<Row> rows;
+  std::vector<float> kt, qt, probs, acc, zeros, maxes, sums;
+};
+
+// The pairwise tree of hsum (common.h), lane by lane over 16 vectors: out[r] = hsum of
+// (x[0][r], ..., x[15][r]). x is overwritten.
+inline v16f tree_sum(v16f (&x)[16]) {
+  for (int i = 0; i < 8; ++i) x[i] = x[i] + x[i + 8];
+  for (int i = 0; i < 4; ++i) x[i] = x[i] + x[i + 4];
+  for (int i = 0; i < 2; ++i) x[i] = x[i] + x[i + 2];
+  return x[0] + x[1];
+}
+
+inline float hmax(v16f v) {  // any order: max is exact
+#ifdef __AVX512F__
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+#endif
+}
+
+inline float exp1(float x) { return exp16(splat(x))[0]; }
+
+// The chunk's K and V rows (keys t0..t0 + n - 1) of one KV head.
+struct Chunk {
+  const float* k[kChunk];
+  const float* v[kChunk];
+  int64_t n;
+};
+
+// The chunk's rows, and a prefetch of the next chunk's (up to `last`): decode at long
+// contexts streams the cache from DRAM, one scattered 4-line row per key and head.
+inline void chunk_rows(const float* kc, const float* vc, const int32_t* table, const Shape& s,
+                       int64_t kv_head, int64_t t0, int64_t last, Chunk& ch) {
+  const int64_t slot_floats = s.kv_heads * s.dim;
+  auto at = [&](int64_t pos) {
+    return (static_cast<int64_t>(table[pos / s.block_size]) * s.block_size +
+            pos % s.block_size) * slot_floats + kv_head * s.dim;
+  };
+  ch.n = std::min<int64_t>(kChunk, last - t0);
+  for (int64_t i = 0; i < ch.n; ++i) {
+    const int64_t offset = at(t0 + i);
+    ch.k[i] = kc + offset;
+    ch.v[i] = vc + offset;
+  }
+  const int64_t next = std::min<int64_t>(last, t0 + 2 * kChunk);
+  for (int64_t pos = t0 + kChunk; pos < next; ++pos) {
+    const int64_t offset = at(pos);
+    for (int64_t d = 0; d < s.dim; d += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(kc + offset + d), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vc + offset + d), _MM_HINT_T0);
+    }
+  }
+}
+
+// acc[0:dim] = acc * c, then + v_i * p[i * stride] for i < seen: per lane one chain of
+// fused multiply-adds over the keys in order. Head dims up to 128 keep every slab's chain in
+// registers and advance them together (independent chains, one V row load per key).
+template <int S>
+inline void accumulate_slabs(float* acc, const Chunk& ch, const float* p, int64_t stride,
+                             int64_t seen, float c) {
+  v16f a[S];
+  for (int j = 0; j < S; ++j) a[j] = load16(acc + 16 * j) * c;
+  for (int64_t i = 0; i < seen; ++i) {
+    const v16f pi = splat(p[i * stride]);
+    for (int j = 0; j < S; ++j) a[j] = fma16(load16(ch.v[i] + 16 * j), pi, a[j]);
+  }
+  for (int j = 0; j < S; ++j) store16(acc + 16 * j, a[j]);
+}
+
+inline void accumulate(float* acc, const Chunk& ch, const float* p, int64_t stride,
+                       int64_t seen, float c, int64_t dim) {
+  switch (dim) {
+    case 64: return accumulate_slabs<4>(acc, ch, p, stride, seen, c);
+    case 128: return accumulate_slabs<8>(acc, ch, p, stride, seen, c);
+    default:
+      for (int64_t d = 0; d < dim; d += 16) {
+        v16f a = load16(acc + d) * c;
+        for (int64_t i = 0; i < seen; ++i)
+          a = fma16(load16(ch.v[i] + d), splat(p[i * stride]), a);
+        store16(acc + d, a);
+      }
+  }
+}
+
+// Lanes over the chunk's keys: few rows share the item (decode).
+void attend_rows(const Row* rows, int64_t n_rows, const float* kc, const float* vc,
+                 const int32_t* table, const Shape& s, int64_t kv_head, float scale,
+                 Scratch& sc) {
+  const int64_t dim = s.dim, last = rows[n_rows - 1].visible;
+  sc.acc.assign(n_rows * dim, 0.0f);
+  sc.kt.resize(dim * kChunk);
+  sc.zeros.assign(dim, 0.0f);
+  sc.maxes.assign(n_rows, -INFINITY);
+  sc.sums.assign(n_rows, 0.0f);
+  Chunk ch;
+  for (int64_t t0 = 0; t0 < last; t0 += kChunk) {
+    chunk_rows(kc, vc, table, s, kv_head, t0, last, ch);
+    for (int64_t i = ch.n; i < kChunk; ++i) ch.k[i] = sc.zeros.data();  // never past the context
+    for (int64_t d = 0; d < dim; d += 16) transpose16(ch.k, d, sc.kt.data() + 16 * d);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += 8) {
+      const int nr = static_cast<int>(std::min<int64_t>(8, n_rows - r0));
+      const float* q[8];
+      v16f scores[8];
+      for (int r = 0; r < nr; ++r) q[r] = rows[r0 + r].q;
+      fma_chains_n(q, nr, sc.kt.data(), dim, scores);
+      for (int j = 0; j < nr; ++j) {
+        const int64_t r = r0 + j, seen = std::min(ch.n, rows[r].visible - t0);
+        if (seen <= 0) continue;
+        v16f sv = scores[j] * scale;
+        for (int64_t i = seen; i < kChunk; ++i) sv[i] = -INFINITY;
+        const float new_max = std::max(sc.maxes[r], hmax(sv));
+        const float c = exp1(sc.maxes[r] - new_max);  // 0 at the first chunk (max = -inf)
+        const v16f p = exp16(sv - new_max);
+        sc.sums[r] = std::fma(sc.sums[r], c, hsum(p));  // explicit: the same rounding in both forms
+        sc.maxes[r] = new_max;
+        float probs[kChunk];
+        store16(probs, p);
+        accumulate(sc.acc.data() + r * dim, ch, probs, 1, seen, c, dim);
+      }
+    }
+  }
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float inv = sc.sums[r] > 0.0f ? 1.0f / sc.sums[r] : 0.0f;
+    for (int64_t d = 0; d < dim; d += 16)
+      store16(rows[r].out + d, load16(sc.acc.data() + r * dim + d) * inv);
+  }
+}
+
+// Up to 16 rows in the lanes of each vector.
+void attend_lanes(const Row* rows, int64_t n_rows, const float* kc, const float* vc,
+                  const int32_t* table, const Shape& s, int64_t kv_head, float scale,
+                  Scratch& sc) {
+  const int64_t dim = s.dim, last = rows[n_rows - 1].visible;
+  // qt[d][r] = rows[r].q[d], unused lanes 0.
+  sc.qt.assign(dim * 16, 0.0f);
+  for (int64_t r = 0; r < n_rows; ++r)
+    for (int64_t d = 0; d < dim; ++d) sc.qt[d * 16 + r] = rows[r].q[d];
+  sc.acc.assign(n_rows * dim, 0.0f);
+  sc.probs.resize(kChunk * 16);
+  v16f visible, max = splat(-INFINITY), sum = splat(0.0f);
+  for (int64_t r = 0; r < 16; ++r)
+    visible[r] = static_cast<float>(r < n_rows ? rows[r].visible : 0);  // exact below 2^24
+  Chunk ch;
+  for (int64_t t0 = 0; t0 < last; t0 += kChunk) {
+    chunk_rows(kc, vc, table, s, kv_head, t0, last, ch);
+    v16f sc16[kChunk];  // scores: sc16[i][r] = row r against key i
+    for (int64_t i0 = 0; i0 < ch.n; i0 += 8) {
+      const int nk = static_cast<int>(std::min<int64_t>(8, ch.n - i0));
+      fma_chains_n(ch.k + i0, nk, sc.qt.data(), dim, sc16 + i0);
+    }
+    for (int64_t i = 0; i < kChunk; ++i) {
+      const float pos = static_cast<float>(t0 + i);
+      if (i >= ch.n)
+        sc16[i] = splat(-INFINITY);
+      else
+        sc16[i] = pos < visible ? sc16[i] * scale : splat(-INFINITY);
+    }
+    v16f chunk_max = sc16[0];
+    for (int i = 1; i < kChunk; ++i) chunk_max = chunk_max > sc16[i] ? chunk_max : sc16[i];
+    const v16f new_max = max > chunk_max ? max : chunk_max;
+    // Rows whose keys ended before this chunk skip it in the per-row form; here their
+    // lanes get c = exp16(0) = 1 and p = 0, which leaves sum and acc bit for bit as
+    // they were. Unused lanes (visible 0) hold NaN and are never stored.
+    const v16f c = exp16(max - new_max);
+    v16f p[kChunk];
+    for (int i = 0; i < kChunk; ++i) {
+      p[i] = exp16(sc16[i] - new_max);
+      store16(sc.probs.data() + i * 16, p[i]);
+    }
+    sum = fma16(sum, c, tree_sum(p));
+    max = new_max;
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t seen = std::min(ch.n, rows[r].visible - t0);
+      if (seen > 0) accumulate(sc.acc.data() + r * dim, ch, sc.probs.data() + r, 16, seen, c[r], dim);
+    }
+  }
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
+    for (int64_t d = 0; d < dim; d += 16)
+      store16(rows[r].out + d, load16(sc.acc.data() + r * dim + d) * inv);
+  }
+}
+
+void attend_item(const Item& w, const float* query, const float* kc, const float* vc,
+                 const int32_t* block_tables, const int32_t* context_lens,
+                 const int32_t* query_start, const Shape& s, float scale, float* out,
+                 Scratch& sc) {
+  const int64_t dim = s.dim, group = s.heads / s.kv_heads, kv_head = w.h0 / group;
+  const int64_t qlen = query_start[w.seq + 1] - query_start[w.seq], ctx = context_lens[w.seq];
+  const int32_t* table = block_tables + w.seq * s.table_width;
+  sc.rows.clear();
+  for (int64_t j = w.q0; j < w.q1; ++j) {  // in order of visible keys
+    const int64_t t = query_start[w.seq] + j;
+    for (int64_t h = w.h0; h < w.h1; ++h)
+      sc.rows.push_back({query + (t * s.heads + h) * dim, out + (t * s.heads + h) * dim,
+                         ctx - qlen + j + 1});
+  }
+  const int64_t n_rows = static_cast<int64_t>(sc.rows.size());
+  if (n_rows < kLaneRows)
+    return attend_rows(sc.rows.data(), n_rows, kc, vc, table, s, kv_head, scale, sc);
+  // The per-lane scratch is overwritten per group, so rows are copied out first.
+  const std::vector<Row> rows = sc.rows;
+  for (int64_t r0 = 0; r0 < n_rows; r0 += 16)
+    attend_lanes(rows.data() + r0, std::min<int64_t>(16, n_rows - r0), kc, vc, table, s,
+                 kv_head, scale, sc);
+}
 
 }  // namespace
 
@@ -96,40 +341,28 @@ HR_EXPORT void hr_paged_attention(const float* query, const float* key_cache,
                                   float* out) {
   const Shape s{heads, kv_heads, dim, block_size, table_width};
   const int64_t group = heads / kv_heads;
-  // One item per (sequence, KV head, query tile): its heads share each K/V row loaded. With
-  // too few of those to keep every thread busy (one decoding sequence has 3), one per
-  // query head instead.
-  int64_t tiles = 0;
+  int64_t work = 0;  // query x visible-key pairs, times the head dimension, over all heads
   for (int32_t i = 0; i < num_seqs; ++i)
-    tiles += (query_start[i + 1] - query_start[i] + kQTile - 1) / kQTile;
-  const int64_t split = tiles * kv_heads < 4 * omp_get_max_threads() ? group : 1;
+    work += (query_start[i + 1] - query_start[i]) * context_lens[i] * heads * dim;
+  const bool parallel = work >= kParallelWork;
+  // One item per (sequence, KV head, query tile), never split further: each item
+  // transposes what it reads (one decoding sequence has 3 items, and splitting them per
+  // head measured slower on 2 cores than the imbalance).
   std::vector<Item> items;
   for (int32_t i = 0; i < num_seqs; ++i) {
     const int64_t qlen = query_start[i + 1] - query_start[i];
     for (int64_t q0 = 0; q0 < qlen; q0 += kQTile)
-      for (int32_t h = 0; h < heads; h += static_cast<int32_t>(group / split))
-        items.push_back({i, h, h + static_cast<int32_t>(group / split), q0,
-                         std::min(qlen, q0 + kQTile)});
+      for (int32_t h = 0; h < heads; h += static_cast<int32_t>(group))
+        items.push_back({i, h, h + static_cast<int32_t>(group), q0, std::min(qlen, q0 + kQTile)});
   }
   const int64_t count = static_cast<int64_t>(items.size());
-  int64_t work = 0;  // query x visible-key pairs, times the head dimension, over all heads
-  for (int32_t i = 0; i < num_seqs; ++i)
-    work += (query_start[i + 1] - query_start[i]) * context_lens[i] * heads * dim;
-#pragma omp parallel for schedule(dynamic, 1) if (count > 1 && work >= kParallelWork)
-  for (int64_t it = 0; it < count; ++it) {
-    const Item& w = items[it];
-    const int64_t qlen = query_start[w.seq + 1] - query_start[w.seq];
-    const int64_t ctx = context_lens[w.seq];
-    const int32_t* table = block_tables + w.seq * table_width;
-    for (int64_t j = w.q0; j < w.q1; ++j) {
-      const int64_t t = query_start[w.seq] + j;
-      const int64_t visible = ctx - qlen + j + 1;
-      for (int64_t h = w.h0; h < w.h1; ++h) {
-        const float* q = query + (t * heads + h) * dim;
-        attend(q, key_cache, value_cache, table, s, h / group, visible, scale,
-               out + (t * heads + h) * dim);
-      }
-    }
+#pragma omp parallel if (count > 1 && parallel)
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < count; ++it)
+      attend_item(items[it], query, key_cache, value_cache, block_tables, context_lens,
+                  query_start, s, scale, out, scratch);
   }
 }
 

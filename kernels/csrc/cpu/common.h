@@ -72,6 +72,23 @@ static inline float half_to_float(const uint8_t* p) {
 
 static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
+// a * b + c, fused, lane by lane (explicit, so no ISA or flag changes the rounding).
+static inline v16f fma16(v16f a, v16f b, v16f c) {
+#ifdef __AVX512F__
+  return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  __m256 ah[2], bh[2], ch[2];
+  std::memcpy(ah, &a, sizeof a);
+  std::memcpy(bh, &b, sizeof b);
+  std::memcpy(ch, &c, sizeof c);
+  ch[0] = _mm256_fmadd_ps(ah[0], bh[0], ch[0]);
+  ch[1] = _mm256_fmadd_ps(ah[1], bh[1], ch[1]);
+  v16f out;
+  std::memcpy(&out, ch, sizeof out);
+  return out;
+#endif
+}
+
 // 16 bytes to 16 floats. Intrinsics, because GCC scalarises a vector-extension
 // conversion from bytes (a lane at a time through general registers).
 static inline v16f widen_i32(__m128i lo8, __m128i hi8, bool is_signed) {

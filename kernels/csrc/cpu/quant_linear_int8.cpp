@@ -148,23 +148,6 @@ inline I16 dot4(I16 acc, I16 u, int32_t x4, bool wide) {
 }
 #endif
 
-// a * b + c, fused, lane by lane (explicit, so no ISA or flag changes the rounding).
-inline v16f fma16(v16f a, v16f b, v16f c) {
-#ifdef __AVX512F__
-  return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#else
-  __m256 ah[2], bh[2], ch[2];
-  std::memcpy(ah, &a, sizeof a);
-  std::memcpy(bh, &b, sizeof b);
-  std::memcpy(ch, &c, sizeof c);
-  ch[0] = _mm256_fmadd_ps(ah[0], bh[0], ch[0]);
-  ch[1] = _mm256_fmadd_ps(ah[1], bh[1], ch[1]);
-  v16f out;
-  std::memcpy(&out, ch, sizeof out);
-  return out;
-#endif
-}
-
 // 16 fp16 values at p as floats.
 inline v16f halves16(const uint8_t* p) {
   v16f out;
