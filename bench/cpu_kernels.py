@@ -7,6 +7,9 @@ one run, on the embedded SmolLM2-135M's real weights and shapes:
               (the dense path: ``x @ w_t`` up to 2 rows, ``F.linear`` above), the kernels
               on the GGUF blocks with fp32 activations (``quantized``) and with int8
               activations (``quantized-int8``)
+  pass        one row through every projection of the model in order (210 matrices + the
+              lm_head), as a decode step reads them: the weights stream from DRAM, which
+              the per-projection loops above (one weight, cached) do not show
   attention   decode batches over contexts, and one prefill chunk: kernels/reference.py
               (gather + SDPA) against the kernel reading the paged cache in place
   step        whole engine decode steps at batch 1 and 48 for each --weights mode (the
@@ -99,6 +102,36 @@ def bench_linear(args) -> list[dict]:
             keys = ("dense_us", "quantized_us", "quantized_int8_us")
             times = ", ".join(f"{k[:-3]} {row[k]:.0f} us" for k in keys)
             print(f"linear {name:8s} rows={n:4d}: {times}")
+    return rows
+
+
+def bench_pass(args) -> list[dict]:
+    """One row through every projection of the model, in a decode step's order."""
+    q = load_model("default", quantized=True, progress=False).weights
+    layers = 1 + max(int(k.split(".")[2]) for k in q if k.startswith("model.layers."))
+    names = [f"model.layers.{i}" for i in range(layers)]
+    matrices = []
+    for p in names:
+        matrices.append(fuse([q[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"]))
+        matrices.append(q[f"{p}.self_attn.o_proj.weight"])
+        matrices.append(fuse([q[f"{p}.mlp.gate_proj.weight"], q[f"{p}.mlp.up_proj.weight"]]))
+        matrices.append(q[f"{p}.mlp.down_proj.weight"])
+    matrices.append(q["model.embed_tokens.weight"])
+    rows = []
+    for mode, int8 in (("quantized", False), ("quantized-int8", True)):
+        ws = [w.tiled() if int8 else w for w in matrices]
+        xs = {w.cols: torch.randn(1, w.cols) for w in ws}
+
+        def one_pass(ws=ws, xs=xs, int8=int8):
+            for w in ws:
+                cpu.quant_linear(xs[w.cols], w, int8=int8, check=False)
+
+        nbytes = sum(w.nbytes for w in ws)
+        seconds = timed(one_pass, args.reps, args.min_ms)
+        rows.append({"weights": mode, "matrices": len(ws), "bytes": nbytes,
+                     "ms": 1e3 * seconds, "gb_s": nbytes / seconds / 1e9})  # fmt: skip
+        print(f"pass {mode:15s}: {len(ws)} matrices, {nbytes / 1e6:.0f} MB in "
+              f"{rows[-1]['ms']:.2f} ms ({rows[-1]['gb_s']:.1f} GB/s)")  # fmt: skip
     return rows
 
 
@@ -195,7 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-ms", type=float, default=100.0, help="time per repetition, about")
     p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 4, 16, 48, 512], help="input rows of the linear cases")  # fmt: skip
-    p.add_argument("--skip", default="", help="comma list of parts to skip: linear,attention,steps")
+    p.add_argument(
+        "--skip", default="", help="comma list of parts to skip: linear,pass,attention,steps"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not cpu.available():
@@ -205,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"load_average_start": common.load_average(), "isa": cpu_build.best_isa()}
     for part, fn in (
         ("linear", bench_linear),
+        ("pass", bench_pass),
         ("attention", bench_attention),
         ("steps", bench_steps),
     ):
