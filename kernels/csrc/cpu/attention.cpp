@@ -294,7 +294,8 @@ void attend_lanes(const Row* rows, int64_t n_rows, const float* kc, const float*
     max = new_max;
     for (int64_t r = 0; r < n_rows; ++r) {
       const int64_t seen = std::min(ch.n, rows[r].visible - t0);
-      if (seen > 0) accumulate(sc.acc.data() + r * dim, ch, sc.probs.data() + r, 16, seen, c[r], dim);
+      if (seen > 0)
+        accumulate(sc.acc.data() + r * dim, ch, sc.probs.data() + r, 16, seen, c[r], dim);
     }
   }
   for (int64_t r = 0; r < n_rows; ++r) {
@@ -321,10 +322,8 @@ void attend_item(const Item& w, const float* query, const float* kc, const float
   const int64_t n_rows = static_cast<int64_t>(sc.rows.size());
   if (n_rows < kLaneRows)
     return attend_rows(sc.rows.data(), n_rows, kc, vc, table, s, kv_head, scale, sc);
-  // The per-lane scratch is overwritten per group, so rows are copied out first.
-  const std::vector<Row> rows = sc.rows;
-  for (int64_t r0 = 0; r0 < n_rows; r0 += 16)
-    attend_lanes(rows.data() + r0, std::min<int64_t>(16, n_rows - r0), kc, vc, table, s,
+  for (int64_t r0 = 0; r0 < n_rows; r0 += 16)  // groups of 16 rows (attend_lanes leaves sc.rows)
+    attend_lanes(sc.rows.data() + r0, std::min<int64_t>(16, n_rows - r0), kc, vc, table, s,
                  kv_head, scale, sc);
 }
 
