@@ -12,7 +12,7 @@ run eagerly. Sampling stays outside the graph: it is a few launches, it differs 
 request (greedy, top-p, penalties, seeded generators) and it is cheap beside the model.
 
 The graphs are captured with every row's host-side context length at the cap, so the
-attention plan (the decode kernel's partitions, kernels/attention_plan.py) covers any
+attention plan (the decode kernel's partitions, kernels/cuda/attention_plan.py) covers any
 context up to it; the kernels read the actual lengths from the device buffer and skip
 partitions past them. All graphs share one memory pool, captured largest first.
 
@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from compute.log import get_logger
+from kernels.log import get_logger
 from kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from compute.model import LlamaModel
-    from compute.model_runner import StepBatch
+    from compute.step_batch import StepBatch
 
 log = get_logger(__name__)
 # Longest context a captured step may hold: the decode plan's partitions (and workspace)

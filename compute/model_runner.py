@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +31,7 @@ from compute.cuda_graphs import DecodeGraphs
 from compute.fault_injection import FaultInjector
 from compute.model import LlamaModel
 from compute.sampler import LogprobRows, Sampler
+from compute.step_batch import StepBatch
 from kernels.metadata import AttentionMetadata
 from kernels.transfer import device_tensor
 
@@ -62,15 +62,6 @@ def default_num_blocks(
         return blocks_for_memory(model, cache, GPU_KV_MEMORY_GIB, dtype)
     tokens = max(config.scheduler.max_num_seqs * CPU_KV_TOKENS_PER_SEQ, max_model_len)
     return -(-tokens // cache.block_size)
-
-
-@dataclass
-class StepBatch:
-    token_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # int64 [S]: flat index of each sampling sequence's last token
-    sampling_seqs: list[Sequence]
 
 
 class StepResult:
