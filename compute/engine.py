@@ -23,10 +23,8 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-import torch
-
 from compute.core.checks import RequestLimits
-from compute.core.config import DeviceConfig, EngineConfig
+from compute.core.config import EngineConfig
 from compute.core.messages import (
     EngineStats,
     FinishReason,
@@ -38,16 +36,15 @@ from compute.core.outputs import SchedulerOutput
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence
-from compute.cpu_threads import available_cpus, default_threads
 from compute.cuda_graphs import DecodeGraphs
+from compute.device.selection import building_threads, cpu_execution, resolve_device
 from compute.fault_isolation import launch_isolating
 from compute.loaders import LoadedModel, load_model
-from compute.log import get_logger
-from compute.malloc_tuning import keep_freed_memory
 from compute.memory_report import log_memory
 from compute.model import LlamaModel
 from compute.model_runner import ModelRunner, StepResult, blocks_for_memory, default_num_blocks
-from kernels import cpu, ops
+from kernels import ops
+from kernels.log import get_logger
 
 log = get_logger(__name__)
 
@@ -71,30 +68,8 @@ class Engine:
     def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None):
         self.config = config
         device, dtype = resolve_device(config.device.device, config.device.dtype)
-        threads = config.device.num_threads or torch.get_num_threads()
-        if device.type == "cpu":
-            available = available_cpus()
-            if config.device.num_threads is None:  # the CPUs this process may use
-                threads = default_threads(threads)
-            elif threads > available:
-                log.warning(
-                    "more CPU threads than CPUs this process may use: they spin-wait for "
-                    "each other at every step (README: Several replicas on one host)",
-                    threads=threads,
-                    available=available,
-                )
-            log.info("cpu threads", threads=threads, available=available)
-            keep_freed_memory()
-            # Built on one thread, so that the constructing thread owns no OpenMP team: the
-            # server constructs here and steps in the step-loop thread, and with a second
-            # team in the process libgomp throttles its spin-waits (more threads than CPUs),
-            # so every kernel's fork-join paid a futex wake-up: a served decode step took
-            # ~14 ms instead of ~8 on the 2-core machine.
-            torch.set_num_threads(1)
-        try:
+        with building_threads(config.device, device):
             self._build(config, device, dtype, loaded)
-        finally:
-            torch.set_num_threads(threads)
 
     def _build(self, config: EngineConfig, device, dtype, loaded: LoadedModel | None) -> None:
         native, weights = cpu_execution(config.device, device, dtype)
@@ -389,31 +364,3 @@ def _reads_history(sched: SchedulerOutput) -> bool:
     """Does a sequence this step samples for also sample from its history (penalties)?
     Its next step cannot sample until this step's token is known on the host."""
     return any(item.samples and item.seq.sampling_params.penalized for item in sched.scheduled)
-
-
-def cpu_execution(cfg: DeviceConfig, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """(native, weights): run on the CPU kernels? which weight mode (never "auto")?
-    ValueError naming the option when what was asked cannot run here."""
-    fits = device.type == "cpu" and dtype == torch.float32
-    if cfg.cpu_kernels == "native" and not fits:
-        raise ValueError("cpu_kernels: the CPU kernels run on the CPU in float32 only")
-    if cfg.cpu_kernels == "native" and not cpu.available():
-        raise ValueError("cpu_kernels: the CPU kernels cannot be built here (see the log)")
-    native = cfg.cpu_kernels == "native" or (cfg.cpu_kernels == "auto" and fits and cpu.available())
-    if cfg.weights.startswith("quantized") and not native:
-        raise ValueError("weights: quantized weights need the CPU kernels (--cpu-kernels native)")
-    if cfg.weights == "auto":
-        return native, "quantized" if native else "dense"
-    return native, cfg.weights
-
-
-def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """'auto' picks CUDA when present; fp32 on CPU, bf16 on GPU unless told otherwise."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: CUDA was requested but torch sees no CUDA device")
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, getattr(torch, dtype)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from compute.core.config import DeviceConfig
-from compute.engine import cpu_execution
-from kernels import cpu, cpu_build
+from compute.device.selection import cpu_execution
+from kernels.cpu import build as cpu_build
+from kernels.cpu import launch as cpu
 
 CPU = torch.device("cpu")
 V4 = set(cpu_build.ISA_LEVELS["avx512"][1])

@@ -1,4 +1,4 @@
-"""compute/cpu_threads.py: the default thread count follows the affinity mask and the
+"""compute/device/threads.py: the default thread count follows the affinity mask and the
 cgroup CPU quota (v1 and v2, nested), on fake cgroup trees; the engine applies it."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compute import cpu_threads
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
+from compute.device import threads as cpu_threads
 from compute.engine import Engine
 
 
@@ -87,7 +87,7 @@ def test_default_threads_never_exceeds_torch_default(monkeypatch) -> None:
 
 @pytest.mark.parametrize(("flag", "expected"), [(None, 1), (3, 3)])
 def test_engine_applies_the_default_or_the_flag(monkeypatch, flag, expected) -> None:
-    import compute.engine as engine_module
+    import compute.device.selection as engine_module
 
     before = torch.get_num_threads()
     monkeypatch.setattr(engine_module, "default_threads", lambda torch_default: 1)
@@ -105,7 +105,7 @@ def test_engine_applies_the_default_or_the_flag(monkeypatch, flag, expected) -> 
 
 
 def test_engine_warns_when_the_flag_exceeds_the_cpus(monkeypatch, capsys) -> None:
-    import compute.engine as engine_module
+    import compute.device.selection as engine_module
 
     before = torch.get_num_threads()
     monkeypatch.setattr(engine_module, "available_cpus", lambda: 1)

@@ -130,7 +130,7 @@ class DeviceConfig:
     device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda", "cuda:N"
     dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on GPU), "float32", "float16", "bfloat16"
     # CPU threads (torch and the CPU kernels); None = the CPUs this process may use
-    # (affinity mask, cgroup quota; compute/cpu_threads.py), at most torch's default
+    # (affinity mask, cgroup quota; compute/device/threads.py), at most torch's default
     num_threads: int | None = None
     # Decode steps replayed from CUDA graphs, one per bucketed batch size (compute/
     # cuda_graphs.py). None = on for CUDA; ignored on the CPU (with a log line).

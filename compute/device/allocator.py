@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-from compute.log import get_logger
+from kernels.log import get_logger
 
 log = get_logger(__name__)
 

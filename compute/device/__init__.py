@@ -1,0 +1,1 @@
+"""Device, thread and allocator policy: compute/device/selection.py applies it."""
