@@ -31,7 +31,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 COPY kernels ./kernels
-RUN HEADRACE_KERNEL_DIR=/kernels python -m kernels.cpu_build --all
+RUN HEADRACE_KERNEL_DIR=/kernels python -m kernels.cpu.build --all
 
 # ---- cpu: the default target ------------------------------------------------------
 FROM python:3.11-slim AS cpu

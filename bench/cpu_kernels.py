@@ -37,7 +37,9 @@ from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
 from compute.loaders import load_model
 from compute.model import fuse
-from kernels import cpu, cpu_build, reference
+from kernels import reference
+from kernels.cpu import build as cpu_build
+from kernels.cpu import launch as cpu
 from kernels.metadata import AttentionMetadata
 
 MODES = ("dense", "quantized", "quantized-int8")

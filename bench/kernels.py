@@ -1,4 +1,4 @@
-"""Decode paged attention on a GPU: kernels/cuda.py against torch SDPA over gathered K/V.
+"""Decode paged attention on a GPU: kernels/cuda/launch.py against torch SDPA over gathered K/V.
 
 For batches 1/8/64/256 at contexts 512/2048/8192 (every sequence the same
 length), SmolLM2's shape (9 query heads, 3 KV heads, dim 64) and a
@@ -11,7 +11,7 @@ Llama-8B-like one (32/8, dim 128), block size 16, fp16, scattered block tables:
 - call_us: wall time per call of back-to-back calls, host overhead included
   (what a step without CUDA graphs pays per layer: the calls share one
   metadata record, so like layers 2..N of a step they reuse its checked plan).
-- decode_partition_size / decode_partitions: what kernels/attention_plan.py
+- decode_partition_size / decode_partitions: what kernels/cuda/attention_plan.py
   chose for the case (smaller partitions for small batches).
 - GB/s and % of peak HBM bandwidth, counting the bytes that must move: the K
   and V of every context token once, the query and the output (not the
@@ -44,7 +44,8 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as `python bench/kernels.py`: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import attention_plan, cuda  # noqa: E402
+from kernels.cuda import attention_plan
+from kernels.cuda import launch as cuda  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 
 SHAPES = {  # name: (query heads, KV heads, head dim)

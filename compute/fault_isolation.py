@@ -16,8 +16,8 @@ fault every request hits (out of memory, a broken device) fails them all, after 
 from __future__ import annotations
 
 from compute.core.outputs import ScheduledSequence
-from compute.log import get_logger
 from compute.model_runner import ModelRunner, StepResult
+from kernels.log import get_logger
 
 log = get_logger(__name__)
 # What a client sees when its request made the step fail; the traceback goes to the log.

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from compute.log import get_logger
+from kernels.log import get_logger
 
 log = get_logger(__name__)
 

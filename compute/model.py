@@ -7,7 +7,7 @@ arrive with Hugging Face Llama names (compute/loaders/) and are fused here
 
 Two ways to run on the CPU, chosen by the engine (``native``):
 
-- the CPU kernels (kernels/cpu.py): weights may stay in the GGUF file's blocks
+- the CPU kernels (kernels/cpu/launch.py): weights may stay in the GGUF file's blocks
   (kernels/quant.py) and are expanded in registers inside each matmul; RMSNorm with
   its residual add, RoPE with the cache write, attention over the paged cache and
   SiLU * up are one call each;
@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from compute.core.config import ModelConfig
-from kernels import cpu, ops
+from kernels import ops
+from kernels.cpu import launch as cpu
 from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedWeight
 
@@ -110,7 +111,7 @@ class LlamaModel:
         """Build from HF-named weights. Per-layer tensors are popped from ``weights``
         as they are fused, so peak memory stays near one copy of the model.
         ``native``: run on the CPU kernels (fp32, CPU only; quantized weights need it);
-        ``int8``: quantized matmuls take int8 activations (kernels/cpu.py quant_linear)."""
+        ``int8``: quantized matmuls take int8 activations (kernels/cpu/launch.py quant_linear)."""
         self.config = config
         embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
@@ -132,7 +133,7 @@ class LlamaModel:
         )
         self.scale = config.head_dim**-0.5
         self.int8 = int8
-        # Every layer in one kernel call (kernels/cpu.py decoder_layers) when every
+        # Every layer in one kernel call (kernels/cpu/launch.py decoder_layers) when every
         # projection is quantized: bit-identical to the per-op path, ~1.4 ms less Python
         # per step. Tests turn it off to compare the two.
         self.fused_layers = native and all(

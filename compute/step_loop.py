@@ -34,7 +34,7 @@ from compute.core.messages import (
     StepOutputs,
     StepTiming,
 )
-from compute.log import get_logger
+from kernels.log import get_logger
 
 if TYPE_CHECKING:
     from compute.engine import Engine

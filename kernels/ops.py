@@ -1,6 +1,6 @@
 """The two paged-KV operations the model calls, dispatched by device.
 
-CUDA tensors go to the CuPy RawKernels (kernels/cuda.py), CPU tensors to the
+CUDA tensors go to the CuPy RawKernels (kernels/cuda/launch.py), CPU tensors to the
 torch reference (kernels/reference.py), which is both the CPU production path
 and the test oracle. There is no silent fallback: a CUDA tensor without CuPy is
 an error, and ``check_backend`` says so (with every other thing the kernels
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from compute.log import get_logger
-from kernels import cuda, reference
-from kernels.cuda_checks import ATTENTION_DTYPES, BLOCK_SIZES, HEAD_DIMS
+from kernels import reference
+from kernels.cuda import launch as cuda
+from kernels.cuda.checks import ATTENTION_DTYPES, BLOCK_SIZES, HEAD_DIMS
+from kernels.log import get_logger
 from kernels.metadata import AttentionMetadata
 
 log = get_logger(__name__)
@@ -58,7 +59,7 @@ def check_backend(
 ) -> str:
     """The attention backend for a model of these sizes on `device`, ready to run.
 
-    On the CPU: the CPU kernels (kernels/cpu.py) when ``native_cpu``, else the torch
+    On the CPU: the CPU kernels (kernels/cpu/launch.py) when ``native_cpu``, else the torch
     reference.
     On CUDA: ValueError naming the option (--dtype, --block-size) or the model's head dim
     when the kernels have no instantiation for it, RuntimeError when CuPy is missing; then

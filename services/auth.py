@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from compute.log import get_logger
+from kernels.log import get_logger
 from services.auth_tokens import TokenFile
 from services.status import Continuation
 

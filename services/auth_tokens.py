@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from compute.log import get_logger
+from kernels.log import get_logger
 
 FLAG = "--auth-token-file"
 # An HTTP header value without spaces: RFC 6750's token68 and more (printable ASCII).

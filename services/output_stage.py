@@ -27,8 +27,8 @@ from compute.core.messages import (
     Shutdown,
     StepOutputs,
 )
-from compute.log import get_logger
 from compute.tokenizer import Tokenizer
+from kernels.log import get_logger
 from services.domain import (
     Chunk,
     Complete,

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from compute.core.messages import Abort, AddRequest, EngineStats, Shutdown
-from compute.log import get_logger
 from compute.step_loop import Inbound, StepLoop, run_step_loop
+from kernels.log import get_logger
 from services.domain import (
     ChatMessage,
     Chunk,

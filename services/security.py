@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from compute.log import get_logger
+from kernels.log import get_logger
 from services.auth import AuthInterceptor, bearer_token, open_prefixes
 from services.auth_tokens import TokenFile
 from services.security_config import SecurityConfig

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from compute.log import get_logger
+from kernels.log import get_logger
 from services import convert
 from services.convert import MAX_REQUEST_ID_CHARS
 from services.domain import Complete, EngineFault, GenerateInput, InvalidArgument, RequestError

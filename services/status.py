@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from compute.log import get_logger
+from kernels.log import get_logger
 from services.domain import RequestError
 
 SERVICE_PREFIX = "/headrace.v1.GenerationService/"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from compute.log import get_logger
+from kernels.log import get_logger
 
 CERT_FLAG, KEY_FLAG, CLIENT_CA_FLAG = "--tls-cert", "--tls-key", "--tls-client-ca"
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from compute.log import get_logger
+from kernels.log import get_logger
 
 if TYPE_CHECKING:
     from services.tracing import Tracing

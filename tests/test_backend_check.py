@@ -17,7 +17,8 @@ from structlog.testing import capture_logs
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
 from compute.engine import Engine
 from compute.loaders.dummy import load_dummy
-from kernels import cuda, ops
+from kernels import ops
+from kernels.cuda import launch as cuda
 from tests.cuda_host.fake_cupy import FakeCupy
 
 GPU = torch.device("cuda", 0)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu
+from kernels.cpu import launch as cpu
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.append(str(BENCH))  # appended: bench/kernels.py must not shadow the package

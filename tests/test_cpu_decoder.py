@@ -12,7 +12,7 @@ import torch
 
 from compute.loaders import load_model
 from compute.model import LlamaModel
-from kernels import cpu
+from kernels.cpu import launch as cpu
 from kernels.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")

@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/csrc/cpu/, launched by kernels/cpu.py) against the torch reference.
+"""The CPU kernels (kernels/csrc/cpu/, launched by kernels/cpu/launch.py) against the reference.
 
 Quantized linears against the dense fp32 product of the same weights (and those weights
 bit-exact against gguf's own dequantizer), attention against kernels/reference.py over
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu, reference
+from kernels import reference
+from kernels.cpu import launch as cpu
 from kernels.metadata import AttentionMetadata
 from kernels.quant import FORMATS, QuantizedWeight
 from tests.test_paged_attention_ref import PagedCache
@@ -248,7 +249,7 @@ def _isa_library(isa: str):
     """The kernels built for `isa` (this CPU must run it), with the int8 linear's signature."""
     import ctypes
 
-    from kernels import cpu_build
+    from kernels.cpu import build as cpu_build
 
     lib = ctypes.CDLL(str(cpu_build.build(isa)))
     lib.hr_quant_linear_int8.argtypes = cpu._SIGNATURES["hr_quant_linear_int8"]
@@ -259,7 +260,7 @@ def _isa_library(isa: str):
 def test_int8_linear_gives_the_same_bits_on_every_isa():
     """VNNI, AVX-512 without it (maddubs, Q8_0 split in nibbles) and AVX2 (two halves) all
     sum the same exact integers and run the same float operations in the same order."""
-    from kernels import cpu_build
+    from kernels.cpu import build as cpu_build
 
     flags = cpu_build.cpu_flags()
     runnable = [isa for isa, (_, need) in cpu_build.ISA_LEVELS.items() if set(need) <= flags]
@@ -285,7 +286,7 @@ def test_int8_linear_gives_the_same_bits_on_every_isa():
 def test_paged_attention_gives_the_same_bits_on_every_isa():
     """The AVX-512 transpose and the AVX2 build's scalar one feed the same fused
     multiply-adds in the same order."""
-    from kernels import cpu_build
+    from kernels.cpu import build as cpu_build
 
     flags = cpu_build.cpu_flags()
     runnable = [isa for isa, (_, need) in cpu_build.ISA_LEVELS.items() if set(need) <= flags]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cuda
+from kernels.cuda import launch as cuda
 
 
 def _find_nvcc() -> str | None:

@@ -1,6 +1,6 @@
 """kernels.cuda's launchers without a GPU: argument checks, clear errors, dispatch.
 
-The launch itself is replaced by a recorder (`kernels.cuda._launch`) and the
+The launch itself is replaced by a recorder (`kernels.cuda.launch._launch`) and the
 GPU entry check (`_require_gpu`) by a no-op, so CPU tensors go through every
 check and through the grid and argument computation. The compile cache and
 the stream hand-off run against a fake CuPy. The kernels' numbers are
@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import attention_plan, cuda
+from kernels.cuda import attention_plan
+from kernels.cuda import launch as cuda
 from kernels.metadata import AttentionMetadata
 from tests.cuda_host.fake_cupy import FakeCupy
 

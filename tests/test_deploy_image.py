@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cpu_build import ISA_LEVELS
+from kernels.cpu.build import ISA_LEVELS
 from services.server_config import ServerConfig
 from tests.conftest import RunningServer
 
@@ -94,12 +94,12 @@ def test_cpu_target_commands_run_in_a_fresh_venv(tmp_path: Path, serve) -> None:
         _sh(command.replace("/wheels", str(wheels)), env, cwd=tmp_path)
     # The kernels stage's build (its apt-get line is image housekeeping), then the installed
     # package must load those prebuilt libraries: no compiler may be needed at run time.
-    (build_kernels,) = [l[4:] for l in stages["kernels"] if "kernels.cpu_build" in l]
+    (build_kernels,) = [l[4:] for l in stages["kernels"] if "kernels.cpu.build" in l]
     kernel_dir = tmp_path / "kernels"
     _sh(build_kernels.replace("/kernels", str(kernel_dir)), env, cwd=ROOT)
     assert sorted(p.name.split("-")[1] for p in kernel_dir.glob("*.so")) == sorted(ISA_LEVELS)
     runtime = {**env, "HEADRACE_KERNEL_DIR": str(kernel_dir), "CXX": "/bin/false"}
-    _sh("python -c 'from kernels import cpu; assert cpu.available()'", runtime, cwd=tmp_path)
+    _sh("python -c 'from kernels.cpu import launch; assert launch.available()'", runtime, cwd=tmp_path)
     # ENTRYPOINT + a flag: the console script starts and parses its flags.
     _sh("headrace serve --help", env, cwd=tmp_path)
     # The tracing extra came along, so HEADRACE_OTLP_ENDPOINT works in the image.

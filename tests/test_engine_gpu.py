@@ -32,7 +32,8 @@ from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, Schedul
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
 from compute.loaders.dummy import load_dummy
-from kernels import cuda, ops, reference
+from kernels import ops, reference
+from kernels.cuda import launch as cuda
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""The CUDA kernels (kernels/cuda.py + kernels/csrc) against the torch reference.
+"""The CUDA kernels (kernels/cuda/launch.py + kernels/csrc) against the torch reference.
 
 Two backends run the same checks:
 
@@ -7,7 +7,7 @@ Two backends run the same checks:
 - emulated: the same kernel source built for the CPU with g++ and
   tests/cuda_host/host_emulation.cuh (threads as fibers, barriers and warp
   shuffles emulated, fibers scheduled in random order), substituted for
-  `kernels.cuda._launch` by the driver in tests/cuda_host/emulator.py. It
+  `kernels.cuda.launch._launch` by the driver in tests/cuda_host/emulator.py. It
   checks index math, masking, GQA grouping, the partition merge, int64
   offsets and missing barriers where no GPU exists.
   Skipped without g++ or the CUDA headers. A smaller matrix: it is slow.
@@ -33,7 +33,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from kernels import attention_plan, cuda, reference
+from kernels import reference
+from kernels.cuda import attention_plan
+from kernels.cuda import launch as cuda
 from kernels.metadata import AttentionMetadata
 from tests.cuda_host.emulator import Emulator, session_emulator
 

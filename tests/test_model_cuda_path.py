@@ -23,7 +23,9 @@ import torch
 from compute.core.config import ModelConfig
 from compute.loaders.dummy import dummy_weights
 from compute.model import LlamaModel
-from kernels import attention_plan, cuda, ops
+from kernels import ops
+from kernels.cuda import attention_plan
+from kernels.cuda import launch as cuda
 from kernels.metadata import AttentionMetadata
 from tests.cuda_host.emulator import session_emulator
 from tests.cuda_host.fake_cupy import FakeCupy

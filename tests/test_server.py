@@ -444,7 +444,7 @@ def test_greedy_over_grpc_equals_the_offline_engine(real: RunningServer) -> None
 
 @pytest.mark.slow
 def test_model_info_says_how_the_weights_are_held(real: RunningServer) -> None:
-    from kernels import cpu
+    from kernels.cpu import launch as cpu
 
     info = real.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT)
     assert info.weights == ("quantized" if cpu.available() else "dense")

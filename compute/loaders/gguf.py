@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from compute.core.config import ModelConfig
 from compute.loaders.base import LoadedModel, ModelLoadError, check_weights
-from compute.log import get_logger
 from compute.tokenizer import Tokenizer, gguf_field
+from kernels.log import get_logger
 from kernels.quant import QuantizedWeight
 
 log = get_logger(__name__)

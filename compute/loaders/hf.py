@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 from compute.core.config import ModelConfig
 from compute.loaders.base import PICKLE_SUFFIXES, LoadedModel, ModelLoadError, check_weights
-from compute.log import get_logger
 from compute.tokenizer import Tokenizer
+from kernels.log import get_logger
 
 log = get_logger(__name__)
 

@@ -1,7 +1,7 @@
 // Device helpers shared by the paged-KV kernels: element conversions, 16-byte
 // vector loads, warp reductions.
 //
-// Device-side and header-only. kernels/cuda.py pastes this file into each .cu
+// Device-side and header-only. kernels/cuda/launch.py pastes this file into each .cu
 // before handing it to NVRTC (cupy.RawModule), and tests/test_cuda_compile.py
 // compiles the same pasted text with `nvcc -cubin`. No host headers beyond
 // cuda_fp16.h / cuda_bf16.h.

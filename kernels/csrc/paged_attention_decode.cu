@@ -20,7 +20,7 @@
 //   Scores, softmax and accumulators are fp32; the softmax runs in base 2
 //   on scores pre-multiplied by log2(e).
 //   The launcher picks the partition size from the batch and the longest
-//   context (kernels/cuda.py, decode_partition_size): 512 whenever that
+//   context (kernels/cuda/launch.py, decode_partition_size): 512 whenever that
 //   already gives every SM a block, smaller for small batches so that they
 //   fill the GPU. A sequence's result depends on the partition size (the
 //   merge rounds differently), so it is bit-identical across batches that

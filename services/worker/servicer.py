@@ -21,7 +21,7 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from compute.log import get_logger
+from kernels.log import get_logger
 from services.domain import Chunk, Complete, GenerateInput, InvalidArgument, RequestError
 from services.servicer import log_complete
 from services.trace_context import LogTracer

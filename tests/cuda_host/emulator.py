@@ -3,7 +3,7 @@
 Each .cu is compiled with tests/cuda_host/host_emulation.cuh force-included (threads
 as fibers, barriers and warp shuffles emulated, fibers run in random order) into a
 shared library with one ``emu_<kernel>`` entry per kernel; ``Emulator.launch`` has the
-signature of ``kernels.cuda._launch`` so a test can substitute it.
+signature of ``kernels.cuda.launch._launch`` so a test can substitute it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels import cuda
+from kernels.cuda import launch as cuda
 
 
 def cuda_include() -> Path | None:
@@ -28,7 +28,7 @@ def cuda_include() -> Path | None:
 
 
 class Emulator:
-    """kernels/csrc built for the host by g++; `launch` stands in for kernels.cuda._launch."""
+    """kernels/csrc built for the host by g++; `launch` replaces kernels.cuda.launch._launch."""
 
     def __init__(self, build_dir: Path, include: Path):
         self.build_dir, self.include = build_dir, include

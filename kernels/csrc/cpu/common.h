@@ -1,4 +1,4 @@
-// Shared helpers of the CPU kernels (kernels/cpu.py builds and loads them).
+// Shared helpers of the CPU kernels (kernels/cpu/launch.py builds and loads them).
 //
 // The kernels are written with GCC vector extensions, 16 floats wide: built with
 // -march=x86-64-v4 they become AVX-512, with -march=x86-64-v3 pairs of AVX2 ops, so

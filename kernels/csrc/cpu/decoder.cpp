@@ -2,7 +2,7 @@
 // the same arguments as compute/model.py's per-op path (so the results are bit-identical),
 // without ~9 Python launcher calls per layer (~1.4 ms of a ~8 ms decode step on 2 cores).
 //
-// The layers come as a table of int64, kLayerFields per layer (kernels/cpu.py
+// The layers come as a table of int64, kLayerFields per layer (kernels/cpu/launch.py
 // decoder_table): the four projections (weight pointer, block format, output rows, bias
 // pointer or 0), then the post-attention norm, the next layer's input norm (the final
 // norm after the last layer), and the layer's key and value caches.

@@ -56,5 +56,5 @@ HR_EXPORT void hr_silu_mul(const float* gate_up, float* out, int64_t n, int64_t 
 }
 
 // OpenMP's thread count is per calling thread: the engine's step loop runs in its own
-// thread, so it sets the count torch uses before its first kernel (kernels/cpu.py).
+// thread, so it sets the count torch uses before its first kernel (kernels/cpu/launch.py).
 HR_EXPORT void hr_set_num_threads(int64_t n) { omp_set_num_threads(static_cast<int>(n)); }

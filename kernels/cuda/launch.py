@@ -4,11 +4,11 @@ The GPU twin of kernels/reference.py, with the same two functions:
 ``reshape_and_cache`` and ``paged_attention``. Each .cu is compiled once per
 device with NVRTC (``cupy.RawModule``) and launched on torch's current stream;
 tensors travel by ``data_ptr()`` once their dtype, shape, contiguity and device
-have been checked (kernels/cuda_checks.py), scalars as numpy.int32 / numpy.float32.
+have been checked (kernels/cuda/checks.py), scalars as numpy.int32 / numpy.float32.
 
 Dispatch inside ``paged_attention``: rows of sequences with query_len == 1 go
 to the decode kernel (split into partitions of 64 to 512 tokens chosen from the
-batch and context, kernels/attention_plan.py, plus a merge kernel when any
+batch and context, kernels/cuda/attention_plan.py, plus a merge kernel when any
 sequence spans more than one); sequences with query_len >= 2 go to the
 prefill kernel. Both kernels read query_start_loc on the device and skip the
 other's sequences, so a mixed batch costs two or three launches and no index
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kernels.attention_plan import AttentionPlan, plan_for
-from kernels.cuda_checks import (
+from kernels.cuda.attention_plan import AttentionPlan, plan_for
+from kernels.cuda.checks import (
     ATTENTION_DTYPES,
     BLOCK_SIZES,
     CACHE_DTYPES,
@@ -46,7 +46,7 @@ from kernels.cuda_checks import (
 )
 from kernels.metadata import AttentionMetadata
 
-CSRC = Path(__file__).parent / "csrc"
+CSRC = Path(__file__).parent.parent / "csrc"
 
 # These mirror constants of the .cu files; the kernels assume them.
 DECODE_THREADS = 128
@@ -259,7 +259,7 @@ def paged_attention(
 
     Rows no sequence owns come back as zeros, as do rows of sequences with context_len 0.
     The arguments are checked, and the launches planned, once per metadata object
-    (kernels/attention_plan.py): the other layers of a step reuse the plan.
+    (kernels/cuda/attention_plan.py): the other layers of a step reuse the plan.
     """
     _require_gpu(query, "query")
     plan = plan_for(query, key_cache, value_cache, meta)

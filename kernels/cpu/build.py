@@ -10,7 +10,7 @@ seconds. One library per instruction-set level, chosen from what this CPU report
 
 Libraries are cached under ``HEADRACE_KERNEL_DIR`` (default ``~/.cache/headrace/kernels``),
 named by ISA and a hash of the sources and flags, so an edited source rebuilds and a
-stale one is never loaded. ``python -m kernels.cpu_build [--all]`` builds ahead of time
+stale one is never loaded. ``python -m kernels.cpu.build [--all]`` builds ahead of time
 (``make setup`` and the Docker image do; ``--all`` builds every ISA level, for an image
 that may run on another CPU). OpenMP comes from torch's own libgomp when torch is loaded
 first (same soname), so the kernels and torch share one thread pool.
@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE_DIR = Path(__file__).parent / "csrc" / "cpu"
+SOURCE_DIR = Path(__file__).parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = (
     "-O3",
     "-std=c++17",

@@ -1,4 +1,4 @@
-"""Argument checks of the CUDA launchers in kernels/cuda.py.
+"""Argument checks of the CUDA launchers in kernels/cuda/launch.py.
 
 What the kernels accept (dtypes, head dims, block sizes), the checks that give a
 ValueError naming the offending argument before anything is launched, and the choice

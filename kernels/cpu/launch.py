@@ -1,6 +1,6 @@
 """Launchers of the CPU kernels (kernels/csrc/cpu/): build once, load, check, call.
 
-The library is built by kernels/cpu_build.py and called through ctypes with plain
+The library is built by kernels/cpu/build.py and called through ctypes with plain
 pointers, so it needs no torch headers. Each launcher checks dtypes, shapes and
 contiguity (ValueError naming the argument) before a pointer crosses; the kernels
 trust them. ``available()`` says whether this machine can run them at all.
@@ -14,8 +14,8 @@ import functools
 import torch
 from torch import Tensor
 
-from compute.log import get_logger
-from kernels import cpu_build
+from kernels.cpu import build as cpu_build
+from kernels.log import get_logger
 from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedWeight
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.cuda_checks import ATTENTION_DTYPES, check_metadata, check_query_and_cache
+from kernels.cuda.checks import ATTENTION_DTYPES, check_metadata, check_query_and_cache
 from kernels.metadata import AttentionMetadata
 
 MAX_GROUP = 8  # kMaxGroup, paged_attention_decode.cu: query heads one decode block serves
