@@ -79,7 +79,7 @@ class Engine:
             elif threads > available:
                 log.warning(
                     "more CPU threads than CPUs this process may use: they spin-wait for "
-                    "each other at every step (README: Several replicas on one host)",
+                    "each other at every step (docs/deploying.md: Several replicas on one host)",
                     threads=threads,
                     available=available,
                 )

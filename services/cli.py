@@ -70,8 +70,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
 SERVE_HELP = (
     "Serve headrace.v1.GenerationService over gRPC until SIGTERM/SIGINT, then drain. The same "
     "port also answers the vLLM worker protocol (vllm.grpc.engine.VllmEngine) for gateways "
-    "such as SMG; see README 'Scaling out'. TLS, mutual TLS and bearer tokens: --tls-cert, "
-    "--tls-key, --tls-client-ca, --auth-token-file (README 'Security')."
+    "such as SMG; see docs/scaling-out.md. TLS, mutual TLS and bearer tokens: --tls-cert, "
+    "--tls-key, --tls-client-ca, --auth-token-file (docs/security.md)."
 )
 EXPORT_HELP = (
     "Write tokenizer.json, tokenizer_config.json (with the chat template) and "
