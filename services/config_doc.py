@@ -70,8 +70,9 @@ naming the field ([api.md](api.md#request-limits)). `--max-request-bytes` covers
 directory of safetensors. `--seed` also seeds unseeded sampling.
 """,
     "device": """\
-- `--device cuda` needs CuPy (`make setup-gpu`); `--dtype auto` is fp32 on the CPU and
-  bf16 on a GPU, and CUDA takes `float16`/`bfloat16` only.
+- `--device auto` is CUDA when available; `--device cuda` needs CuPy (`make setup-gpu`).
+  `--dtype auto` is fp32 on the CPU and bf16 on a GPU; CUDA takes `float16`/`bfloat16`
+  only.
 - `--threads`: the default is the CPUs in the process's affinity mask, capped by its
   cgroup CPU quota (`docker --cpus`, Kubernetes `limits.cpu`) and by torch's default; for
   replicas sharing a host see
