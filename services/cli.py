@@ -1,5 +1,7 @@
-"""The ``headrace`` command: ``serve``, ``generate`` (the bundled client), ``info``, ``health``,
-``bench serve`` (the serving benchmark, services/bench/).
+"""The ``headrace`` command: serve, generate, info, health, export-tokenizer, bench serve.
+
+``generate``, ``info`` and ``health`` are the bundled client; ``export-tokenizer`` writes the
+model's tokenizer for a gateway; ``bench serve`` is the serving benchmark (services/bench/).
 
 Every serving knob is a flag with a ``HEADRACE_*`` environment twin; the table
 mapping both onto the frozen config dataclasses is ``FLAGS`` in services/cli_flags.py
