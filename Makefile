@@ -23,7 +23,8 @@ GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 .PHONY: help setup setup-gpu gpu-wheels gpu-check system-tools test test-gateway lint format \
-	serve generate bench bench-decode bench-serve bench-cpu-kernels soak proto nvcc-check clean
+	serve generate bench bench-decode bench-serve bench-cpu-kernels soak proto docs nvcc-check \
+	clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -87,6 +88,9 @@ generate: setup ## one in-process generation, no server: make generate ARGS='--c
 
 proto: setup ## regenerate the Python gRPC code from protos/
 	$(PY) -m services.codegen
+
+docs: setup ## regenerate docs/configuration.md from the flag table (services/cli_flags.py)
+	$(PY) -m services.config_doc > docs/configuration.md
 
 bench: setup ## offline continuous-batching benchmark vs HF static batching (JSON+PNG in bench/results)
 	$(PY) bench/offline.py $(ARGS)

@@ -1,10 +1,12 @@
 """The two paged-KV operations the model calls, dispatched by device.
 
 CUDA tensors go to the CuPy RawKernels (kernels/cuda/launch.py), CPU tensors to the
-torch reference (kernels/reference.py), which is both the CPU production path
-and the test oracle. There is no silent fallback: a CUDA tensor without CuPy is
-an error, and ``check_backend`` says so (with every other thing the kernels
-cannot serve) when the engine starts, not at its first step.
+torch reference (kernels/reference.py): the test oracle, and the CPU fallback
+(``--cpu-kernels torch``, or where the CPU kernels cannot be built). On the CPU
+kernels (kernels/cpu/launch.py) the model calls them itself and does not come here.
+There is no silent fallback on CUDA: a CUDA tensor without CuPy is an error, and
+``check_backend`` says so (with every other thing the kernels cannot serve) when
+the engine starts, not at its first step.
 """
 
 from __future__ import annotations

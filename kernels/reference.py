@@ -1,4 +1,7 @@
-"""Torch reference kernels: the CPU production path and the GPU test oracle.
+"""Torch reference kernels: the test oracle of the CPU and CUDA kernels, and the CPU fallback.
+
+The CPU path is the C++ kernels (kernels/cpu/launch.py, kernels/csrc/cpu/); these run steps only
+with ``--cpu-kernels torch`` or where those kernels cannot be built.
 
 ``reshape_and_cache`` writes a step's new K/V into the paged cache;
 ``paged_attention`` attends a flat, mixed batch (decodes and prefill chunks)

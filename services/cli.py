@@ -1,5 +1,7 @@
-"""The ``headrace`` command: ``serve``, ``generate`` (the bundled client), ``info``, ``health``,
-``bench serve`` (the serving benchmark, services/bench/).
+"""The ``headrace`` command: serve, generate, info, health, export-tokenizer, bench serve.
+
+``generate``, ``info`` and ``health`` are the bundled client; ``export-tokenizer`` writes the
+model's tokenizer for a gateway; ``bench serve`` is the serving benchmark (services/bench/).
 
 Every serving knob is a flag with a ``HEADRACE_*`` environment twin; the table
 mapping both onto the frozen config dataclasses is ``FLAGS`` in services/cli_flags.py
@@ -70,8 +72,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
 SERVE_HELP = (
     "Serve headrace.v1.GenerationService over gRPC until SIGTERM/SIGINT, then drain. The same "
     "port also answers the vLLM worker protocol (vllm.grpc.engine.VllmEngine) for gateways "
-    "such as SMG; see README 'Scaling out'. TLS, mutual TLS and bearer tokens: --tls-cert, "
-    "--tls-key, --tls-client-ca, --auth-token-file (README 'Security')."
+    "such as SMG; see docs/scaling-out.md. TLS, mutual TLS and bearer tokens: --tls-cert, "
+    "--tls-key, --tls-client-ca, --auth-token-file (docs/security.md)."
 )
 EXPORT_HELP = (
     "Write tokenizer.json, tokenizer_config.json (with the chat template) and "

@@ -106,7 +106,7 @@ class ClientSecurity:
 def add_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     """``--tls``, ``--tls-ca``, ``--tls-cert``, ``--tls-key``, ``--tls-server-name``,
     ``--auth-token-file`` (dests ``client_*``, so they never set the server's config)."""
-    g = parser.add_argument_group("TLS and auth (see README 'Security')")
+    g = parser.add_argument_group("TLS and auth (see docs/security.md)")
 
     def env(name: str) -> str | None:
         return environ.get(_ENV + name) or None

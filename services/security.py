@@ -86,7 +86,7 @@ class ServerSecurity:
         if tls == "off" and auth == "off" and not is_loopback(host):
             log.warning(
                 "listening on a non-loopback address without TLS or auth: anyone who reaches "
-                "the port can generate, read /metrics and reflect; see README 'Security'",
+                "the port can generate, read /metrics and reflect; see docs/security.md",
                 host=host,
             )
         else:

@@ -50,9 +50,9 @@ class Replica:
 def start_replica(extra: tuple[str, ...] = (), timeout: float = 300) -> Replica:
     """`headrace serve --port 0`; the ports come from its ready lines (bounded wait)."""
     args = [HEADRACE, "serve", "--model", "dummy:tiny", "--host", "127.0.0.1", "--port", "0"]
-    # One thread each, as README "Several replicas on one host" says: two or three replicas
-    # on a 2-core machine with a thread per core spin-wait for each other at every
-    # fork-join (measured: a 2-second drain test took 30 s and ran out of grace).
+    # One thread each, as docs/deploying.md "Several replicas on one host" says: two or
+    # three replicas on a 2-core machine with a thread per core spin-wait for each other at
+    # every fork-join (measured: a 2-second drain test took 30 s and ran out of grace).
     args += ["--metrics-port", "0", "--log-format", "json", "--grace-period", "30"]
     args += ["--threads", "1", *extra]
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

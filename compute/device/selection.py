@@ -35,7 +35,7 @@ def building_threads(cfg: DeviceConfig, device: torch.device) -> Iterator[None]:
     elif threads > available:
         log.warning(
             "more CPU threads than CPUs this process may use: they spin-wait for "
-            "each other at every step (README: Several replicas on one host)",
+            "each other at every step (docs/deploying.md: Several replicas on one host)",
             threads=threads,
             available=available,
         )
