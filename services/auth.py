@@ -20,7 +20,7 @@ from services.auth_tokens import TokenFile
 from services.status import Continuation
 
 if TYPE_CHECKING:
-    from services.metrics import Metrics
+    from services.telemetry.metrics import Metrics
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."  # v1alpha and v1

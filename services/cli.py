@@ -27,7 +27,7 @@ from services.cli_flags import (
     sections,
 )
 from services.client import DEFAULT_SERVER
-from services.log import LogConfig
+from services.telemetry.log import LogConfig
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -146,8 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services import log
     from services.server import run
+    from services.telemetry import log
 
     configs = build_configs(args)
     log.configure(configs.log)
@@ -173,7 +173,8 @@ def _announce(server: Any) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services import client, log
+    from services import client
+    from services.telemetry import log
 
     log.configure(LogConfig(level="warning"))
     text = args.prompt if args.prompt is not None else args.chat

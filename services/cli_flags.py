@@ -23,11 +23,11 @@ from compute.core.config import (
 )
 from services.connection_config import ConnectionConfig
 from services.input_limits import InputLimits
-from services.log import FORMATS, LEVELS, LogConfig
 from services.pipeline import PipelineConfig
 from services.security_config import SecurityConfig
 from services.server_config import ServerConfig
-from services.tracing_config import TracingConfig
+from services.telemetry.log import FORMATS, LEVELS, LogConfig
+from services.telemetry.tracing_config import TracingConfig
 
 ENV_PREFIX = "HEADRACE_"
 

@@ -37,8 +37,8 @@ from services.domain import (
     RequestError,
     Unavailable,
 )
-from services.metrics import Metrics
 from services.request_state import Event, Outcome, RequestState, RequestStream
+from services.telemetry.metrics import Metrics
 
 log = get_logger(__name__)
 

@@ -36,9 +36,9 @@ from services.domain import (
     ResourceExhausted,
     Unavailable,
 )
-from services.metrics import Metrics
 from services.output_stage import OutputStage
 from services.request_state import RequestStream
+from services.telemetry.metrics import Metrics
 from services.tokenize_stage import TokenizeStage
 
 if TYPE_CHECKING:  # the engine module pulls in torch and the model

@@ -22,7 +22,7 @@ from services.security_config import SecurityConfig
 from services.tls import CertificateFiles
 
 if TYPE_CHECKING:
-    from services.metrics import Metrics
+    from services.telemetry.metrics import Metrics
 
 log = get_logger(__name__)
 

@@ -50,10 +50,10 @@ from services.worker.servicer import WorkerServicer
 
 if TYPE_CHECKING:
     from compute.core.config import EngineConfig
-    from services.metrics import Metrics
     from services.pipeline import Pipeline, PipelineConfig
-    from services.tracing import Tracing
-    from services.tracing_config import TracingConfig
+    from services.telemetry.metrics import Metrics
+    from services.telemetry.tracing import Tracing
+    from services.telemetry.tracing_config import TracingConfig
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 # Calls the drain gate counts and refuses while draining: every generation, never Abort,
@@ -276,9 +276,9 @@ def run(
 
     Returns the exit status: 0 after a signal, 1 when a pipeline stage died."""
     from compute.engine import Engine
-    from services.metrics import Metrics
     from services.pipeline import Pipeline
-    from services.tracing_config import TracingConfig, start_tracing
+    from services.telemetry.metrics import Metrics
+    from services.telemetry.tracing_config import TracingConfig, start_tracing
 
     tracing = start_tracing(tracing_config or TracingConfig())  # before the slow model load
     metrics = Metrics()

@@ -25,12 +25,12 @@ from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.input_limits import check_input, check_request_size
 from services.server_config import ServerConfig
-from services.trace_context import LogTracer
+from services.telemetry.trace_context import LogTracer
 
 if TYPE_CHECKING:  # the servicer only needs the pipeline's interface
-    from services.metrics import Metrics
     from services.pipeline import Pipeline
-    from services.trace_context import RequestTrace, RequestTracer
+    from services.telemetry.metrics import Metrics
+    from services.telemetry.trace_context import RequestTrace, RequestTracer
 
 REQUEST_ID_METADATA = "x-request-id"
 

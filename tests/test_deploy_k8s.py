@@ -75,7 +75,7 @@ def test_service_ports_are_named_and_grpc() -> None:
 
 
 def test_hpa_metric_is_exported_and_adapted() -> None:
-    from services.metrics import Metrics
+    from services.telemetry.metrics import Metrics
 
     (metric,) = _load("hpa")["spec"]["metrics"]
     name = metric["pods"]["metric"]["name"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from compute.core.messages import EngineStats, StepTiming
-from services.metrics import Metrics
+from services.telemetry.metrics import Metrics
 
 EXPECTED_SAMPLES = {
     "headrace_requests_running",

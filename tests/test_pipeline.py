@@ -23,8 +23,8 @@ from services.domain import (
     ResourceExhausted,
     Unavailable,
 )
-from services.metrics import Metrics
 from services.pipeline import Pipeline, PipelineConfig
+from services.telemetry.metrics import Metrics
 from tests.fake_engine import FakeEngine, smollm2_tokenizer
 
 if TYPE_CHECKING:  # imported lazily by the slow test: it pulls in torch and the model

@@ -207,7 +207,7 @@ def test_rpcs_headrace_lacks_are_unimplemented_not_internal(served: RunningServe
 
 
 def test_vllm_metric_aliases_mirror_the_headrace_gauges() -> None:
-    from services.metrics import Metrics
+    from services.telemetry.metrics import Metrics
 
     metrics = Metrics()
     metrics.set_cache_config(16, 512)

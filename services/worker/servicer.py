@@ -24,13 +24,13 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from compute.log import get_logger
 from services.domain import Chunk, Complete, GenerateInput, InvalidArgument, RequestError
 from services.servicer import log_complete
-from services.trace_context import LogTracer
+from services.telemetry.trace_context import LogTracer
 from services.worker import convert
 
 if TYPE_CHECKING:
-    from services.metrics import Metrics
     from services.pipeline import Pipeline
-    from services.trace_context import RequestTrace, RequestTracer
+    from services.telemetry.metrics import Metrics
+    from services.telemetry.trace_context import RequestTrace, RequestTracer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # RPCs of the protocol headrace has no counterpart for; gateways treat UNIMPLEMENTED as

@@ -1,6 +1,6 @@
 """OpenTelemetry tracing (``--otlp-endpoint``): a span per request and one per phase.
 
-Imported only when tracing is on (services/tracing_config.py decides), so a server
+Imported only when tracing is on (services/telemetry/tracing_config.py decides), so a server
 without it never loads OpenTelemetry. What a traced request produces:
 
     /headrace.v1.GenerationService/Generate   SERVER, the gRPC instrumentation's span: its
@@ -82,7 +82,7 @@ class Tracing:
 
 
 class SpanTracer:
-    """``RequestTracer`` (services/trace_context.py) with OpenTelemetry spans."""
+    """``RequestTracer`` (services/telemetry/trace_context.py) with OpenTelemetry spans."""
 
     def __init__(self, tracer: trace.Tracer) -> None:
         self._tracer = tracer
