@@ -24,7 +24,7 @@ from compute.core.config import (
 from services.connection_config import ConnectionConfig
 from services.input_limits import InputLimits
 from services.pipeline import PipelineConfig
-from services.security_config import SecurityConfig
+from services.security.security_config import SecurityConfig
 from services.server_config import ServerConfig
 from services.telemetry.log import FORMATS, LEVELS, LogConfig
 from services.telemetry.tracing_config import TracingConfig

@@ -1,6 +1,6 @@
 """The gRPC server: GenerationService, health, reflection, /metrics + /health, drain.
 
-TLS, mutual TLS and token auth come from services/security.py; connection limits and
+TLS, mutual TLS and token auth come from services/security/security.py; connection limits and
 keepalive from services/connection_config.py (both through ServerConfig).
 
 ``Server`` wires a started pipeline into a grpc.aio server. On SIGTERM or
@@ -35,7 +35,7 @@ from services.domain import Unavailable
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.http_endpoint import start_http
-from services.security import ServerSecurity
+from services.security.security import ServerSecurity
 from services.server_config import ServerConfig
 from services.servicer import GenerationServicer
 from services.status import (

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from services.connection_config import ConnectionConfig
 from services.input_limits import InputLimits
-from services.security_config import SecurityConfig
+from services.security.security_config import SecurityConfig
 
 MIB = 1024 * 1024
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from services import cli
-from services.security_config import SecurityConfig
+from services.security.security_config import SecurityConfig
 from services.server_config import ServerConfig
 from tests.certs import issue, make_ca
 from tests.conftest import SCRIPT_TEXT

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import grpc
 
 from compute.log import get_logger
-from services.auth import AuthInterceptor, bearer_token, open_prefixes
-from services.auth_tokens import TokenFile
-from services.security_config import SecurityConfig
-from services.tls import CertificateFiles
+from services.security.auth import AuthInterceptor, bearer_token, open_prefixes
+from services.security.auth_tokens import TokenFile
+from services.security.security_config import SecurityConfig
+from services.security.tls import CertificateFiles
 
 if TYPE_CHECKING:
     from services.telemetry.metrics import Metrics

@@ -1,7 +1,7 @@
 """Token auth for the gRPC server: the outermost interceptor, so nothing runs before it.
 
 A call must carry ``authorization: Bearer <token>`` metadata with a token from
-``--auth-token-file`` (services/auth_tokens.py); otherwise it ends UNAUTHENTICATED
+``--auth-token-file`` (services/security/auth_tokens.py); otherwise it ends UNAUTHENTICATED
 with a plain message, before any other interceptor, handler or request parser runs
 (the refusal never reads the request). grpc.health.v1 is always open (probes and
 load balancers carry no token); reflection is open only with ``--no-auth-reflection``.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from compute.log import get_logger
-from services.auth_tokens import TokenFile
+from services.security.auth_tokens import TokenFile
 from services.status import Continuation
 
 if TYPE_CHECKING:
