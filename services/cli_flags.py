@@ -22,8 +22,8 @@ from compute.core.config import (
     SchedulerConfig,
 )
 from services.connection_config import ConnectionConfig
-from services.input_limits import InputLimits
-from services.pipeline import PipelineConfig
+from services.pipeline.input_limits import InputLimits
+from services.pipeline.pipeline import PipelineConfig
 from services.security.security_config import SecurityConfig
 from services.server_config import ServerConfig
 from services.telemetry.log import FORMATS, LEVELS, LogConfig

@@ -23,7 +23,7 @@ from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from compute.core.config import EngineConfig
-    from services.pipeline import PipelineConfig
+    from services.pipeline.pipeline import PipelineConfig
 
 DEFAULT_SERVER = "localhost:50051"
 # Keepalive pings every 10 s keep long streams alive through proxies and NATs; the
@@ -115,7 +115,7 @@ class OfflineClient:
 
     def __init__(self, engine_config: EngineConfig, pipeline_config: PipelineConfig) -> None:
         from compute.engine import Engine  # torch and the model load only when asked
-        from services.pipeline import Pipeline
+        from services.pipeline.pipeline import Pipeline
 
         self._runner = asyncio.Runner()
         self._pipeline = Pipeline(Engine(engine_config), pipeline_config)

@@ -13,7 +13,8 @@ from __future__ import annotations
 from compute.core.errors import FieldError
 from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams
-from services.domain import (
+from services.gen.headrace.v1 import generation_pb2 as pb
+from services.pipeline.domain import (
     ChatMessage,
     Chunk,
     Complete,
@@ -21,7 +22,6 @@ from services.domain import (
     InvalidArgument,
     ModelInfo,
 )
-from services.gen.headrace.v1 import generation_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 128
 # The optional fields of SamplingParams / StoppingCriteria that map 1:1 onto SamplingParams.

@@ -31,10 +31,10 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
 
 from compute.log import get_logger
-from services.domain import Unavailable
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.http_endpoint import start_http
+from services.pipeline.domain import Unavailable
 from services.security.security import ServerSecurity
 from services.server_config import ServerConfig
 from services.servicer import GenerationServicer
@@ -50,7 +50,7 @@ from services.worker.servicer import WorkerServicer
 
 if TYPE_CHECKING:
     from compute.core.config import EngineConfig
-    from services.pipeline import Pipeline, PipelineConfig
+    from services.pipeline.pipeline import Pipeline, PipelineConfig
     from services.telemetry.metrics import Metrics
     from services.telemetry.tracing import Tracing
     from services.telemetry.tracing_config import TracingConfig
@@ -276,7 +276,7 @@ def run(
 
     Returns the exit status: 0 after a signal, 1 when a pipeline stage died."""
     from compute.engine import Engine
-    from services.pipeline import Pipeline
+    from services.pipeline.pipeline import Pipeline
     from services.telemetry.metrics import Metrics
     from services.telemetry.tracing_config import TracingConfig, start_tracing
 

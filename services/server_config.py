@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.connection_config import ConnectionConfig
-from services.input_limits import InputLimits
+from services.pipeline.input_limits import InputLimits
 from services.security.security_config import SecurityConfig
 
 MIB = 1024 * 1024

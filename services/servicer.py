@@ -20,15 +20,21 @@ import grpc
 from compute.log import get_logger
 from services import convert
 from services.convert import MAX_REQUEST_ID_CHARS
-from services.domain import Complete, EngineFault, GenerateInput, InvalidArgument, RequestError
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
-from services.input_limits import check_input, check_request_size
+from services.pipeline.domain import (
+    Complete,
+    EngineFault,
+    GenerateInput,
+    InvalidArgument,
+    RequestError,
+)
+from services.pipeline.input_limits import check_input, check_request_size
 from services.server_config import ServerConfig
 from services.telemetry.trace_context import LogTracer
 
 if TYPE_CHECKING:  # the servicer only needs the pipeline's interface
-    from services.pipeline import Pipeline
+    from services.pipeline.pipeline import Pipeline
     from services.telemetry.metrics import Metrics
     from services.telemetry.trace_context import RequestTrace, RequestTracer
 

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 
 from compute.log import get_logger
-from services.domain import RequestError
+from services.pipeline.domain import RequestError
 
 SERVICE_PREFIX = "/headrace.v1.GenerationService/"
 # The vLLM worker protocol (services/worker) gets the same status mapping.

@@ -24,7 +24,7 @@ from services.server_config import ServerConfig
 
 if TYPE_CHECKING:  # imported when used, so that a broken service never breaks collection
     from services.gen.headrace.v1 import generation_pb2_grpc
-    from services.pipeline import Pipeline, PipelineConfig
+    from services.pipeline.pipeline import Pipeline, PipelineConfig
     from services.server import Server
     from services.telemetry.metrics import Metrics
     from tests.fake_engine import FakeEngine
@@ -69,7 +69,7 @@ def running_server(
     tracing: Any = None,  # a services.telemetry.tracing.Tracing, or None (off)
 ) -> Iterator[RunningServer]:
     """Pipeline + Server around ``engine``, started; stopped and joined on exit."""
-    from services.pipeline import Pipeline, PipelineConfig
+    from services.pipeline.pipeline import Pipeline, PipelineConfig
     from services.server import Server
     from services.telemetry.metrics import Metrics
 

@@ -13,7 +13,7 @@ import pytest
 
 from compute.core.sampling_params import SamplingParams
 from compute.tokenizer import Tokenizer
-from services.domain import (
+from services.pipeline.domain import (
     ChatMessage,
     Chunk,
     Complete,
@@ -23,7 +23,7 @@ from services.domain import (
     ResourceExhausted,
     Unavailable,
 )
-from services.pipeline import Pipeline, PipelineConfig
+from services.pipeline.pipeline import Pipeline, PipelineConfig
 from services.telemetry.metrics import Metrics
 from tests.fake_engine import FakeEngine, smollm2_tokenizer
 

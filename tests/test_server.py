@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
 from compute.core.sampling_params import SamplingParams
 from services.gen.headrace.v1 import generation_pb2 as pb
-from services.pipeline import PipelineConfig
+from services.pipeline.pipeline import PipelineConfig
 from services.server import SERVICE_NAME
 from services.server_config import ServerConfig
 from tests.conftest import SCRIPT_TEXT, RunningServer, fake_engine, running_server

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from services.pipeline import PipelineConfig
+from services.pipeline.pipeline import PipelineConfig
 from services.worker.convert import sampling_params
 from services.worker.servicer import SERVICE_NAME
 from services.worker.tokenizer_export import export_tokenizer

@@ -35,7 +35,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, Status, StatusCode
 
-from services.domain import Complete, RequestError, Timing
+from services.pipeline.domain import Complete, RequestError, Timing
 from services.status import SERVICE_PREFIX, WORKER_PREFIX
 
 DEFAULT_SERVICE_NAME = "headrace"

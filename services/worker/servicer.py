@@ -22,13 +22,13 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from compute.log import get_logger
-from services.domain import Chunk, Complete, GenerateInput, InvalidArgument, RequestError
+from services.pipeline.domain import Chunk, Complete, GenerateInput, InvalidArgument, RequestError
 from services.servicer import log_complete
 from services.telemetry.trace_context import LogTracer
 from services.worker import convert
 
 if TYPE_CHECKING:
-    from services.pipeline import Pipeline
+    from services.pipeline.pipeline import Pipeline
     from services.telemetry.metrics import Metrics
     from services.telemetry.trace_context import RequestTrace, RequestTracer
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from compute.core.messages import Abort, AddRequest, EngineStats, Shutdown
 from compute.log import get_logger
 from compute.step_loop import Inbound, StepLoop, run_step_loop
-from services.domain import (
+from services.pipeline.domain import (
     ChatMessage,
     Chunk,
     Complete,
@@ -36,10 +36,10 @@ from services.domain import (
     ResourceExhausted,
     Unavailable,
 )
-from services.output_stage import OutputStage
-from services.request_state import RequestStream
+from services.pipeline.output_stage import OutputStage
+from services.pipeline.request_state import RequestStream
+from services.pipeline.tokenize_stage import TokenizeStage
 from services.telemetry.metrics import Metrics
-from services.tokenize_stage import TokenizeStage
 
 if TYPE_CHECKING:  # the engine module pulls in torch and the model
     from compute.engine import Engine

@@ -5,7 +5,7 @@ that may be the start of one), decides the finish, and delivers ``Chunk``/``Comp
 (or a ``RequestError``) to the request's asyncio queue on the server's event loop. A
 stop-string hit finishes the stream at once and sends an ``Abort`` back to stage 2 so
 the engine frees the sequence. The per-request work is ``RequestState``
-(services/request_state.py); this module owns the workers and the delivery.
+(services/pipeline/request_state.py); this module owns the workers and the delivery.
 
 Requests are sharded over the workers by id, so one request's events stay in order.
 """
@@ -29,7 +29,7 @@ from compute.core.messages import (
 )
 from compute.log import get_logger
 from compute.tokenizer import Tokenizer
-from services.domain import (
+from services.pipeline.domain import (
     Chunk,
     Complete,
     EngineFault,
@@ -37,7 +37,7 @@ from services.domain import (
     RequestError,
     Unavailable,
 )
-from services.request_state import Event, Outcome, RequestState, RequestStream
+from services.pipeline.request_state import Event, Outcome, RequestState, RequestStream
 from services.telemetry.metrics import Metrics
 
 log = get_logger(__name__)

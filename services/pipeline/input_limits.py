@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from compute.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from services.domain import InvalidArgument
+from services.pipeline.domain import InvalidArgument
 
 MIB = 1024 * 1024
 

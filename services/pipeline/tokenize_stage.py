@@ -21,7 +21,7 @@ from compute.core.checks import RequestLimits, check_request
 from compute.core.errors import FieldError, capped
 from compute.core.messages import AddRequest
 from compute.tokenizer import Tokenizer
-from services.domain import ChatMessage, GenerateInput, InvalidArgument
+from services.pipeline.domain import ChatMessage, GenerateInput, InvalidArgument
 
 T = TypeVar("T")
 
