@@ -31,13 +31,13 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
 
 from compute.log import get_logger
+from services.api.servicer import GenerationServicer
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.http_endpoint import start_http
 from services.pipeline.domain import Unavailable
 from services.security.security import ServerSecurity
 from services.server_config import ServerConfig
-from services.servicer import GenerationServicer
 from services.status import (
     SERVICE_PREFIX,
     WORKER_PREFIX,

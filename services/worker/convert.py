@@ -15,7 +15,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from compute.core.errors import FieldError
 from compute.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from services.convert import MAX_REQUEST_ID_CHARS
+from services.api.convert import MAX_REQUEST_ID_CHARS
 from services.pipeline.domain import Chunk, Complete, GenerateInput, InvalidArgument
 
 SP = "sampling_params"

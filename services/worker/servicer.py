@@ -22,8 +22,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from compute.log import get_logger
+from services.api.servicer import log_complete
 from services.pipeline.domain import Chunk, Complete, GenerateInput, InvalidArgument, RequestError
-from services.servicer import log_complete
 from services.telemetry.trace_context import LogTracer
 from services.worker import convert
 

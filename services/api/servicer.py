@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from compute.log import get_logger
-from services import convert
-from services.convert import MAX_REQUEST_ID_CHARS
+from services.api import convert
+from services.api.convert import MAX_REQUEST_ID_CHARS
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.pipeline.domain import (
