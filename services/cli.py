@@ -146,12 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.server import run
+    from services.server.server import run
     from services.telemetry import log
 
     configs = build_configs(args)
     log.configure(configs.log)
-    # 1 when a pipeline stage died: the supervisor restarts the server (services/server.py)
+    # 1 when a pipeline stage died: the supervisor restarts the server (services/server/server.py)
     return run(configs.engine, configs.pipeline, configs.server, _announce, configs.tracing)
 
 

@@ -21,11 +21,11 @@ from compute.core.config import (
     EngineConfig,
     SchedulerConfig,
 )
-from services.connection_config import ConnectionConfig
 from services.pipeline.input_limits import InputLimits
 from services.pipeline.pipeline import PipelineConfig
 from services.security.security_config import SecurityConfig
-from services.server_config import ServerConfig
+from services.server.connection_config import ConnectionConfig
+from services.server.server_config import ServerConfig
 from services.telemetry.log import FORMATS, LEVELS, LogConfig
 from services.telemetry.tracing_config import TracingConfig
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 DEFAULT_SERVER = "localhost:50051"
 # Keepalive pings every 10 s keep long streams alive through proxies and NATs; the
-# server accepts pings that often (services/connection_config.py CLIENT_PING_OPTIONS).
+# server accepts pings that often (services/server/connection_config.py CLIENT_PING_OPTIONS).
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 10_000),

@@ -20,12 +20,12 @@ import grpc
 import pytest
 import structlog
 
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 
 if TYPE_CHECKING:  # imported when used, so that a broken service never breaks collection
     from services.gen.headrace.v1 import generation_pb2_grpc
     from services.pipeline.pipeline import Pipeline, PipelineConfig
-    from services.server import Server
+    from services.server.server import Server
     from services.telemetry.metrics import Metrics
     from tests.fake_engine import FakeEngine
 
@@ -70,7 +70,7 @@ def running_server(
 ) -> Iterator[RunningServer]:
     """Pipeline + Server around ``engine``, started; stopped and joined on exit."""
     from services.pipeline.pipeline import Pipeline, PipelineConfig
-    from services.server import Server
+    from services.server.server import Server
     from services.telemetry.metrics import Metrics
 
     config = config or ServerConfig(host="127.0.0.1", port=0, metrics_port=-1)

@@ -22,7 +22,7 @@ from services.security import auth_tokens
 from services.security.auth import INVALID, MALFORMED, MISSING, bearer_token, refusal
 from services.security.auth_tokens import TokenFile, read_tokens
 from services.security.security_config import SecurityConfig
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer
 
 TIMEOUT = 30

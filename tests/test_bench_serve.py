@@ -13,7 +13,7 @@ import pytest
 
 from services import cli
 from services.bench import arrivals, stats, workload
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from compute.core.config import EngineConfig
 from services import cli, cli_flags
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,8 +218,8 @@ def test_serve_announces_then_drains_and_exits_0_on_sigterm(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("status", [0, 1])
 def test_serve_exits_with_the_servers_status(monkeypatch, status: int) -> None:
-    # 1 = the step loop died (services/server.py): the supervisor must see a failure.
-    import services.server
+    # 1 = the step loop died (services/server/server.py): the supervisor must see a failure.
+    import services.server.server
 
-    monkeypatch.setattr(services.server, "run", lambda *args, **kwargs: status)
+    monkeypatch.setattr(services.server.server, "run", lambda *args, **kwargs: status)
     assert cli.main(["serve", "--model", "dummy:tiny"]) == status

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 
 from services import cli
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer, fake_engine
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kernels.cpu_build import ISA_LEVELS
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import yaml
 from kubernetes_validate.utils import ValidationError
 
 from services import cli_flags
-from services.server import SERVICE_NAME
+from services.server.server import SERVICE_NAME
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 VERSION = "1.33.0"

@@ -29,8 +29,8 @@ from compute.step_loop import MAX_FAILED_STEPS, StepLoop
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.pipeline.pipeline import Pipeline, PipelineConfig
-from services.server import Server, serve
-from services.server_config import ServerConfig
+from services.server.server import Server, serve
+from services.server.server_config import ServerConfig
 from services.telemetry.metrics import Metrics
 from tests.conftest import fake_engine
 

@@ -10,7 +10,7 @@ import pytest
 
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.pipeline.input_limits import MIB, InputLimits
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 from tests.conftest import fake_engine
 
 TIMEOUT = 60

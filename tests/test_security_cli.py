@@ -20,7 +20,7 @@ import pytest
 
 from services import cli
 from services.security.security_config import SecurityConfig
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 from tests.certs import issue, make_ca
 from tests.conftest import SCRIPT_TEXT
 

@@ -2,7 +2,7 @@
 convert events back.
 
 Errors are raised as ``RequestError`` and mapped to status codes by
-services/status.py. A cancelled call (client cancel, disconnect, deadline)
+services/server/status.py. A cancelled call (client cancel, disconnect, deadline)
 cancels the handler's coroutine; ``aclosing`` then closes the pipeline's
 generator at once, which aborts the request in the engine.
 """
@@ -30,7 +30,7 @@ from services.pipeline.domain import (
     RequestError,
 )
 from services.pipeline.input_limits import check_input, check_request_size
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 from services.telemetry.trace_context import LogTracer
 
 if TYPE_CHECKING:  # the servicer only needs the pipeline's interface

@@ -82,7 +82,7 @@ class ModelInfo:
 
 
 class RequestError(Exception):
-    """A request failed; ``code`` is the gRPC status code's name (services/status.py)."""
+    """A request failed; ``code`` is the gRPC status code's name (services/server/status.py)."""
 
     code = "INTERNAL"
 

@@ -17,7 +17,7 @@ import grpc
 
 from compute.log import get_logger
 from services.security.auth_tokens import TokenFile
-from services.status import Continuation
+from services.server.status import Continuation
 
 if TYPE_CHECKING:
     from services.telemetry.metrics import Metrics

@@ -1,4 +1,4 @@
-"""The server's security wiring: what services/server.py asks of TLS and token auth.
+"""The server's security wiring: what services/server/server.py asks of TLS and token auth.
 
 ``ServerSecurity`` turns a SecurityConfig into the live objects (the reloading
 certificate files and token file), the interceptor that goes first, the listening

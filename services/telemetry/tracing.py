@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import Span, Status, StatusCode
 
 from services.pipeline.domain import Complete, RequestError, Timing
-from services.status import SERVICE_PREFIX, WORKER_PREFIX
+from services.server.status import SERVICE_PREFIX, WORKER_PREFIX
 
 DEFAULT_SERVICE_NAME = "headrace"
 # The worker protocol's polls (GetLoads every 10 s, HealthCheck...) would drown the traces;

@@ -1,7 +1,7 @@
 """The gRPC server: GenerationService, health, reflection, /metrics + /health, drain.
 
 TLS, mutual TLS and token auth come from services/security/security.py; connection limits and
-keepalive from services/connection_config.py (both through ServerConfig).
+keepalive from services/server/connection_config.py (both through ServerConfig).
 
 ``Server`` wires a started pipeline into a grpc.aio server. On SIGTERM or
 SIGINT, ``serve`` drains: health turns NOT_SERVING, new GenerationService calls
@@ -34,11 +34,11 @@ from compute.log import get_logger
 from services.api.servicer import GenerationServicer
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
-from services.http_endpoint import start_http
 from services.pipeline.domain import Unavailable
 from services.security.security import ServerSecurity
-from services.server_config import ServerConfig
-from services.status import (
+from services.server.http_endpoint import start_http
+from services.server.server_config import ServerConfig
+from services.server.status import (
     SERVICE_PREFIX,
     WORKER_PREFIX,
     Continuation,

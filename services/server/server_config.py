@@ -1,16 +1,16 @@
 """The gRPC server's knobs: one frozen dataclass, validated once.
 
 services/cli_flags.py maps ``--flags`` and ``HEADRACE_*`` variables onto it; the
-server (services/server.py) and servicer read it and nothing else.
+server (services/server/server.py) and servicer read it and nothing else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.connection_config import ConnectionConfig
 from services.pipeline.input_limits import InputLimits
 from services.security.security_config import SecurityConfig
+from services.server.connection_config import ConnectionConfig
 
 MIB = 1024 * 1024
 
