@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from services import client_security
 from services.bench import command as bench_command
 from services.bench import flags as bench_flags
 from services.cli_flags import (
@@ -26,7 +25,8 @@ from services.cli_flags import (
     build_configs,
     sections,
 )
-from services.client import DEFAULT_SERVER
+from services.client import client_security
+from services.client.client import DEFAULT_SERVER
 from services.telemetry.log import LogConfig
 
 
@@ -173,7 +173,7 @@ def _announce(server: Any) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services import client
+    from services.client import client
     from services.telemetry import log
 
     log.configure(LogConfig(level="warning"))
@@ -204,7 +204,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
-    from services.client import Client
+    from services.client.client import Client
 
     with Client(args.server, args.timeout, _security(args)) as remote:
         info = remote.model_info()
@@ -215,7 +215,7 @@ def _info(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     import grpc
 
-    from services.client import Client
+    from services.client.client import Client
 
     try:
         with Client(args.server, args.timeout or 5.0, _security(args)) as remote:

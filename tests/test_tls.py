@@ -19,8 +19,8 @@ import grpc
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from services.client import Client
-from services.client_security import ClientSecurity
+from services.client.client import Client
+from services.client.client_security import ClientSecurity
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.security.security_config import SecurityConfig
 from services.server.server_config import ServerConfig

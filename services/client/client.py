@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api import convert
-from services.client_security import ClientSecurity
+from services.client.client_security import ClientSecurity
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 
