@@ -9,7 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
-from services import cli
+from services.cli import cli
 from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer, fake_engine
 

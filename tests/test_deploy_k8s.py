@@ -12,7 +12,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import ValidationError
 
-from services import cli_flags
+from services.cli import cli_flags
 from services.server.server import SERVICE_NAME
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"

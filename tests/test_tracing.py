@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from smg_grpc_proto.generated import vllm_engine_pb2 as worker_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
 
-from services import cli, cli_flags
+from services.cli import cli, cli_flags
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.telemetry import log
 from services.telemetry.log import LogConfig

@@ -223,7 +223,7 @@ def test_vllm_metric_aliases_mirror_the_headrace_gauges() -> None:
 
 @pytest.mark.slow
 def test_export_tokenizer_command_writes_what_the_gateway_loads(tmp_path: Path) -> None:
-    from services import cli
+    from services.cli import cli
     from services.worker.tokenizer_export import FILES
 
     assert cli.main(["export-tokenizer", str(tmp_path / "tok")]) == 0

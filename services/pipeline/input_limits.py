@@ -5,7 +5,7 @@ lengths), so a check costs microseconds whatever the input holds: a 15 MiB promp
 refused before a tokenizer thread spends seconds and gigabytes on it. The model's own
 limits (context length, KV cache) are checked later, on token ids; stage 1 also stops
 early on a prompt that cannot fit (``Tokenizer.min_tokens``). Every limit is a flag
-(services/cli_flags.py) and is listed in README's configuration table.
+(services/cli/cli_flags.py) and is listed in README's configuration table.
 """
 
 from __future__ import annotations

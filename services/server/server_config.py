@@ -1,6 +1,6 @@
 """The gRPC server's knobs: one frozen dataclass, validated once.
 
-services/cli_flags.py maps ``--flags`` and ``HEADRACE_*`` variables onto it; the
+services/cli/cli_flags.py maps ``--flags`` and ``HEADRACE_*`` variables onto it; the
 server (services/server/server.py) and servicer read it and nothing else.
 """
 

@@ -2,7 +2,7 @@
 ``bench serve`` (the serving benchmark, services/bench/).
 
 Every serving knob is a flag with a ``HEADRACE_*`` environment twin; the table
-mapping both onto the frozen config dataclasses is ``FLAGS`` in services/cli_flags.py
+mapping both onto the frozen config dataclasses is ``FLAGS`` in services/cli/cli_flags.py
 (precedence: flag, then environment, then the dataclass default).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from services.bench import command as bench_command
 from services.bench import flags as bench_flags
-from services.cli_flags import (
+from services.cli.cli_flags import (
     ENV_PREFIX,
     FLAGS,
     OFFLINE_FLAGS,

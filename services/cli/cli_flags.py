@@ -3,7 +3,7 @@
 ``FLAGS`` is the one table mapping both onto the frozen config dataclasses
 (precedence: flag, then environment, then the dataclass default); ``add_flags`` puts
 a subset on an argparse parser and ``build_configs`` turns the parsed flags back
-into the configs. services/cli.py wires the parsers and runs the subcommands.
+into the configs. services/cli/cli.py wires the parsers and runs the subcommands.
 """
 
 from __future__ import annotations
