@@ -1,6 +1,6 @@
 """TLS and token-auth settings of the server: one frozen dataclass, validated at start-up.
 
-Validation reads the files (services/security/tls.py, services/security/auth_tokens.py), so a missing or
+Validation reads the files (security/tls.py, security/auth_tokens.py), so a missing or
 unreadable file, a key without its certificate or a token file without tokens stops
 ``headrace serve`` before the model loads, with a message naming the flag.
 """
