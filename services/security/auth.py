@@ -17,24 +17,18 @@ import grpc
 
 from compute.log import get_logger
 from services.security.auth_tokens import TokenFile
+from services.server import methods
 from services.server.status import Continuation
 
 if TYPE_CHECKING:
     from services.telemetry.metrics import Metrics
 
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
-REFLECTION_PREFIX = "/grpc.reflection."  # v1alpha and v1
 SCHEME = "bearer"
 MISSING = "missing credentials: send metadata 'authorization: Bearer <token>'"
 MALFORMED = "authorization metadata must be 'Bearer <token>'"
 INVALID = "invalid token"
 
 log = get_logger(__name__)
-
-
-def open_prefixes(auth_reflection: bool) -> tuple[str, ...]:
-    """Method prefixes answered without a token."""
-    return (HEALTH_PREFIX,) if auth_reflection else (HEALTH_PREFIX, REFLECTION_PREFIX)
 
 
 def bearer_token(value: str) -> str | None:
@@ -73,16 +67,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for calls without an accepted bearer token (open methods excepted)."""
 
     def __init__(
-        self, tokens: TokenFile, open_methods: tuple[str, ...], metrics: Metrics | None = None
+        self, tokens: TokenFile, auth_reflection: bool, metrics: Metrics | None = None
     ) -> None:
         self._tokens = tokens
-        self._open = open_methods
+        self._auth_reflection = auth_reflection
         self._metrics = metrics
 
     async def intercept_service(
         self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
-        if details.method.startswith(self._open):
+        if not methods.needs_token(details.method, self._auth_reflection):
             return await continuation(details)
         reason = refusal(details.invocation_metadata, self._tokens)
         if reason is None:

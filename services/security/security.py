@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from compute.log import get_logger
-from services.security.auth import AuthInterceptor, bearer_token, open_prefixes
+from services.security.auth import AuthInterceptor, bearer_token
 from services.security.auth_tokens import TokenFile
 from services.security.security_config import SecurityConfig
 from services.security.tls import CertificateFiles
@@ -53,7 +53,7 @@ class ServerSecurity:
         """The auth interceptor (to go first, outermost), or none without auth."""
         if self.tokens is None:
             return []
-        return [AuthInterceptor(self.tokens, open_prefixes(self.config.auth_reflection), metrics)]
+        return [AuthInterceptor(self.tokens, self.config.auth_reflection, metrics)]
 
     def bind(self, server: grpc.aio.Server, address: str) -> int:
         """Listen on ``address`` with TLS when configured; the bound port."""

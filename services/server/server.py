@@ -36,15 +36,10 @@ from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.pipeline.domain import Unavailable
 from services.security.security import ServerSecurity
+from services.server import methods
 from services.server.http_endpoint import start_http
 from services.server.server_config import ServerConfig
-from services.server.status import (
-    SERVICE_PREFIX,
-    WORKER_PREFIX,
-    Continuation,
-    StatusInterceptor,
-    wrap_handler,
-)
+from services.server.status import Continuation, StatusInterceptor, wrap_handler
 from services.worker.servicer import SERVICE_NAME as WORKER_SERVICE_NAME
 from services.worker.servicer import WorkerServicer
 
@@ -56,9 +51,6 @@ if TYPE_CHECKING:
     from services.telemetry.tracing_config import TracingConfig
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
-# Calls the drain gate counts and refuses while draining: every generation, never Abort,
-# health or the worker protocol's info calls (a gateway keeps polling a draining worker).
-GATED_PREFIXES = (SERVICE_PREFIX, WORKER_PREFIX + "Generate")
 
 log = get_logger(__name__)
 
@@ -79,7 +71,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        if not details.method.startswith(GATED_PREFIXES):
+        if not methods.gated(details.method):
             return handler  # health, reflection and Abort keep answering while draining
         return wrap_handler(handler, self._admit)
 

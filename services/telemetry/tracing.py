@@ -36,12 +36,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import Span, Status, StatusCode
 
 from services.pipeline.domain import Complete, RequestError, Timing
-from services.server.status import SERVICE_PREFIX, WORKER_PREFIX
+from services.server import methods
 
 DEFAULT_SERVICE_NAME = "headrace"
-# The worker protocol's polls (GetLoads every 10 s, HealthCheck...) would drown the traces;
-# of it only the calls that carry a request are traced. Health and reflection never are.
-WORKER_TRACED = (WORKER_PREFIX + "Generate", WORKER_PREFIX + "Abort")
 
 try:
     from importlib.metadata import version
@@ -52,8 +49,8 @@ except Exception:  # not installed as a distribution (a bare checkout)
 
 
 def traced_method(details: grpc.HandlerCallDetails) -> bool:
-    """Which calls get a span: headrace.v1's and the worker protocol's requests."""
-    return details.method.startswith(SERVICE_PREFIX) or details.method in WORKER_TRACED
+    """Which calls get a span (services/server/methods.py)."""
+    return methods.traced(details.method)
 
 
 class Tracing:
