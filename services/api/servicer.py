@@ -31,11 +31,11 @@ from services.pipeline.domain import (
 )
 from services.pipeline.input_limits import check_input, check_request_size
 from services.server.server_config import ServerConfig
+from services.telemetry.metrics import NO_METRICS, Metrics
 from services.telemetry.trace_context import LogTracer
 
 if TYPE_CHECKING:  # the servicer only needs the pipeline's interface
     from services.pipeline.pipeline import Pipeline
-    from services.telemetry.metrics import Metrics
     from services.telemetry.trace_context import RequestTrace, RequestTracer
 
 REQUEST_ID_METADATA = "x-request-id"
@@ -50,7 +50,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self,
         pipeline: Pipeline,
         config: ServerConfig | None = None,
-        metrics: Metrics | None = None,
+        metrics: Metrics = NO_METRICS,
         tracer: RequestTracer | None = None,  # None: the caller's trace ids in the logs only
     ) -> None:
         self._pipeline = pipeline
@@ -106,8 +106,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             yield
         except InvalidArgument:
-            if self._metrics is not None:
-                self._metrics.observe_rejected("invalid_argument")
+            self._metrics.observe_rejected("invalid_argument")
             raise
 
     async def _events(self, inp: GenerateInput, trace: RequestTrace) -> AsyncIterator:

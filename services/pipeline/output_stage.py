@@ -38,7 +38,7 @@ from services.pipeline.domain import (
     Unavailable,
 )
 from services.pipeline.request_state import Event, Outcome, RequestState, RequestStream
-from services.telemetry.metrics import Metrics
+from services.telemetry.metrics import NO_METRICS, Metrics
 
 log = get_logger(__name__)
 
@@ -79,7 +79,7 @@ class OutputStage:
         self,
         tokenizer: Tokenizer | None,
         send_abort: Callable[[str], None],
-        metrics: Metrics | None = None,
+        metrics: Metrics = NO_METRICS,
         num_workers: int = 1,
     ) -> None:
         self._tokenizer = tokenizer
@@ -180,9 +180,9 @@ class OutputStage:
             deliveries.send()
 
     def _on_step(self, step: StepOutputs, deliveries: Deliveries) -> None:
-        if step.stats is not None and self._metrics is not None:
+        if step.stats is not None:
             self._metrics.observe_engine_stats(step.stats)
-        if step.timing is not None and self._metrics is not None:
+        if step.timing is not None:
             self._metrics.observe_step(step.timing)
         now = time.monotonic()
         for output in step.outputs:
@@ -207,8 +207,7 @@ class OutputStage:
         if self.release(state.request_id):
             deliveries.add(state.stream, [EngineFault(_OUTPUT_FAULT)])
             self._send_abort(state.request_id)
-            if self._metrics is not None:
-                self._metrics.observe_finished("error")
+            self._metrics.observe_finished("error")
 
     def _on_failed(self, msg: RequestFailed, deliveries: Deliveries) -> None:
         state = self._lookup(msg.request_id)
@@ -216,13 +215,12 @@ class OutputStage:
             return
         self.release(msg.request_id)
         deliveries.add(state.stream, [_error(msg)])
-        if self._metrics is not None:
-            if msg.kind is FailureKind.INVALID_ARGUMENT:
-                self._metrics.observe_rejected("invalid_argument")
-            else:
-                self._metrics.observe_finished(
-                    "error" if msg.kind is FailureKind.ENGINE_FAULT else "abort"
-                )
+        if msg.kind is FailureKind.INVALID_ARGUMENT:
+            self._metrics.observe_rejected("invalid_argument")
+        else:
+            self._metrics.observe_finished(
+                "error" if msg.kind is FailureKind.ENGINE_FAULT else "abort"
+            )
 
     def _lookup(self, request_id: str) -> RequestState | None:
         with self._lock:
@@ -234,13 +232,12 @@ class OutputStage:
         if chunk is not None:
             if state.first_token is None:
                 state.first_token = now
-                if self._metrics is not None:
-                    queue_s = (state.first_scheduled or now) - state.arrival
-                    self._metrics.observe_first_token(queue_s, now - state.arrival)
-            elif self._metrics is not None and state.last_token is not None:
+                queue_s = (state.first_scheduled or now) - state.arrival
+                self._metrics.observe_first_token(queue_s, now - state.arrival)
+            elif state.last_token is not None:
                 self._metrics.observe_inter_token(now - state.last_token, len(chunk.token_ids))
             state.last_token = now
-        if outcome.done and self._metrics is not None:
+        if outcome.done:
             final = outcome.events[-1]
             reason = final.finish_reason if isinstance(final, Complete) else "error"
             self._metrics.observe_finished(reason, now - state.arrival)

@@ -11,7 +11,7 @@ Everything else -- headrace.v1 and the vLLM worker protocol -- needs the token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
@@ -19,9 +19,7 @@ from compute.log import get_logger
 from services.security.auth_tokens import TokenFile
 from services.server import methods
 from services.server.status import Continuation
-
-if TYPE_CHECKING:
-    from services.telemetry.metrics import Metrics
+from services.telemetry.metrics import NO_METRICS, Metrics
 
 SCHEME = "bearer"
 MISSING = "missing credentials: send metadata 'authorization: Bearer <token>'"
@@ -67,7 +65,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for calls without an accepted bearer token (open methods excepted)."""
 
     def __init__(
-        self, tokens: TokenFile, auth_reflection: bool, metrics: Metrics | None = None
+        self, tokens: TokenFile, auth_reflection: bool, metrics: Metrics = NO_METRICS
     ) -> None:
         self._tokens = tokens
         self._auth_reflection = auth_reflection
@@ -81,7 +79,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         reason = refusal(details.invocation_metadata, self._tokens)
         if reason is None:
             return await continuation(details)
-        if self._metrics is not None:
-            self._metrics.observe_rejected("unauthenticated")
+        self._metrics.observe_rejected("unauthenticated")
         log.debug("call refused", method=details.method[:128], reason=reason)
         return _refuse(reason)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ipaddress
 import ssl
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -20,9 +19,7 @@ from services.security.auth import AuthInterceptor, bearer_token
 from services.security.auth_tokens import TokenFile
 from services.security.security_config import SecurityConfig
 from services.security.tls import CertificateFiles
-
-if TYPE_CHECKING:
-    from services.telemetry.metrics import Metrics
+from services.telemetry.metrics import NO_METRICS, Metrics
 
 log = get_logger(__name__)
 
@@ -49,7 +46,7 @@ class ServerSecurity:
             else None
         )
 
-    def interceptors(self, metrics: Metrics | None = None) -> list[grpc.aio.ServerInterceptor]:
+    def interceptors(self, metrics: Metrics = NO_METRICS) -> list[grpc.aio.ServerInterceptor]:
         """The auth interceptor (to go first, outermost), or none without auth."""
         if self.tokens is None:
             return []

@@ -40,13 +40,13 @@ from services.server import methods
 from services.server.http_endpoint import start_http
 from services.server.server_config import ServerConfig
 from services.server.status import Continuation, StatusInterceptor, wrap_handler
+from services.telemetry.metrics import NO_METRICS, Metrics
 from services.worker.servicer import SERVICE_NAME as WORKER_SERVICE_NAME
 from services.worker.servicer import WorkerServicer
 
 if TYPE_CHECKING:
     from compute.core.config import EngineConfig
     from services.pipeline.pipeline import Pipeline, PipelineConfig
-    from services.telemetry.metrics import Metrics
     from services.telemetry.tracing import Tracing
     from services.telemetry.tracing_config import TracingConfig
 
@@ -60,7 +60,7 @@ PIPELINE_CHECK_S = 0.25  # how often the server looks for a dead pipeline stage
 class DrainGate(grpc.aio.ServerInterceptor):
     """Counts GenerationService calls in flight; refuses new ones once draining."""
 
-    def __init__(self, metrics: Metrics | None = None) -> None:
+    def __init__(self, metrics: Metrics = NO_METRICS) -> None:
         self.draining = False
         self._metrics = metrics
         self.in_flight = 0
@@ -78,8 +78,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
     @contextlib.asynccontextmanager
     async def _admit(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         if self.draining:
-            if self._metrics is not None:
-                self._metrics.observe_rejected("draining")
+            self._metrics.observe_rejected("draining")
             raise Unavailable("server is draining")
         self.in_flight += 1
         self._idle.clear()
@@ -106,7 +105,7 @@ class Server:
         self,
         pipeline: Pipeline,
         config: ServerConfig | None = None,
-        metrics: Metrics | None = None,
+        metrics: Metrics = NO_METRICS,
         tokenizer_path: str = "",  # what the worker protocol's GetModelInfo reports
         tracing: Tracing | None = None,  # OpenTelemetry spans; None = off
     ) -> None:
@@ -166,7 +165,7 @@ class Server:
         self._security.log_posture(self.config.host)
 
     def _start_metrics(self) -> None:
-        if self._metrics is None or self.config.metrics_port < 0:
+        if not self._metrics.enabled or self.config.metrics_port < 0:
             return
         self._http = start_http(
             self.config.host,
@@ -228,7 +227,7 @@ class Server:
 async def serve(
     pipeline: Pipeline,
     config: ServerConfig,
-    metrics: Metrics | None = None,
+    metrics: Metrics = NO_METRICS,
     on_ready: Callable[[Server], None] | None = None,
     tokenizer_path: str = "",
     tracing: Tracing | None = None,

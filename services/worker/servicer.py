@@ -24,12 +24,12 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from compute.log import get_logger
 from services.api.servicer import log_complete
 from services.pipeline.domain import Chunk, Complete, GenerateInput, InvalidArgument, RequestError
+from services.telemetry.metrics import NO_METRICS, Metrics
 from services.telemetry.trace_context import LogTracer
 from services.worker import convert
 
 if TYPE_CHECKING:
     from services.pipeline.pipeline import Pipeline
-    from services.telemetry.metrics import Metrics
     from services.telemetry.trace_context import RequestTrace, RequestTracer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -54,7 +54,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         pipeline: Pipeline,
         tokenizer_path: str,
         serving: Callable[[], bool] = lambda: True,
-        metrics: Metrics | None = None,
+        metrics: Metrics = NO_METRICS,
         tracer: RequestTracer | None = None,  # None: the caller's trace ids in the logs only
     ) -> None:
         self._pipeline = pipeline
@@ -90,8 +90,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         try:
             inp = convert.to_input(request)
         except RequestError:
-            if self._metrics is not None:
-                self._metrics.observe_rejected("invalid_argument")
+            self._metrics.observe_rejected("invalid_argument")
             raise
         if inp.request_id in self._aborts:
             raise InvalidArgument("request_id", f"{inp.request_id!r} is already in flight")
