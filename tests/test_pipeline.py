@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from compute.core.errors import FieldError
 from compute.core.sampling_params import SamplingParams
 from compute.tokenizer import Tokenizer
 from services.pipeline.domain import (
@@ -19,7 +20,6 @@ from services.pipeline.domain import (
     Complete,
     EngineFault,
     GenerateInput,
-    InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
@@ -194,7 +194,7 @@ def test_invalid_input_is_rejected_before_the_engine(
     engine: FakeEngine, inp: GenerateInput, field: str
 ) -> None:
     with running(engine) as pipeline:
-        with pytest.raises(InvalidArgument) as err:
+        with pytest.raises(FieldError) as err:
             asyncio.run(collect(pipeline, inp))
         assert pipeline.num_pending == 0
     assert err.value.field == field
@@ -205,7 +205,7 @@ def test_invalid_input_is_rejected_before_the_engine(
 def test_engine_value_error_becomes_invalid_argument(engine: FakeEngine, tok: Tokenizer) -> None:
     engine.refuse_token = tok.encode("Hi")[0]
     with running(engine) as pipeline:
-        with pytest.raises(InvalidArgument) as err:
+        with pytest.raises(FieldError) as err:
             asyncio.run(collect(pipeline, request()))
         chunks, _ = asyncio.run(collect(pipeline, request(prompt="Hello")))
     assert err.value.field == "prompt"
@@ -272,7 +272,7 @@ def test_tokenize_model_info_and_stats(engine: FakeEngine, tok: Tokenizer) -> No
     with running(engine) as pipeline:
         ids, strs = asyncio.run(pipeline.tokenize("Hello world", None))
         chat_ids, _ = asyncio.run(pipeline.tokenize(None, (ChatMessage("user", "hi"),)))
-        with pytest.raises(InvalidArgument):
+        with pytest.raises(FieldError):
             asyncio.run(pipeline.tokenize(None, (ChatMessage("wizard", "hi"),)))
         info = pipeline.model_info()
         asyncio.run(collect(pipeline, request(max_tokens=3)))

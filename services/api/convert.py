@@ -2,7 +2,7 @@
 
 ``to_input`` checks what only the wire shape can tell (a missing input, an empty
 prompt or chat) and builds ``SamplingParams``, whose own rules name a domain field;
-``InvalidArgument`` then names the field by its path in the request. Checks that need
+``FieldError`` then names the field by its path in the request. Checks that need
 the model (chat roles, prompt length, vocabulary) run in the pipeline; its field names
 are mapped to request paths by ``request_field``. Finish reasons become protobuf here
 and only here.
@@ -14,14 +14,7 @@ from compute.core.errors import FieldError
 from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams
 from services.gen.headrace.v1 import generation_pb2 as pb
-from services.pipeline.domain import (
-    ChatMessage,
-    Chunk,
-    Complete,
-    GenerateInput,
-    InvalidArgument,
-    ModelInfo,
-)
+from services.pipeline.domain import ChatMessage, Chunk, Complete, GenerateInput, ModelInfo
 
 MAX_REQUEST_ID_CHARS = 128
 # The optional fields of SamplingParams / StoppingCriteria that map 1:1 onto SamplingParams.
@@ -60,15 +53,15 @@ def request_field(field: str) -> str:
     return _FIELD_PATHS.get(head, head) + dot + rest
 
 
-def renamed(exc: InvalidArgument) -> InvalidArgument:
-    """The pipeline's InvalidArgument with its field named by its request path."""
+def renamed(exc: FieldError) -> FieldError:
+    """The pipeline's FieldError with its field named by its request path."""
     return exc.at(request_field(exc.field))
 
 
 def to_input(request: pb.GenerateRequest, request_id: str) -> GenerateInput:
-    """A validated GenerateInput; InvalidArgument names the offending request field."""
+    """A validated GenerateInput; FieldError names the offending request field."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+        raise FieldError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
     return GenerateInput(
         request_id=request_id,
         **_prompt(request),
@@ -81,14 +74,14 @@ def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> dict:
     kind = request.WhichOneof("input")
     if kind is None:
         names = ", ".join(f.name for f in request.DESCRIPTOR.oneofs_by_name["input"].fields)
-        raise InvalidArgument("input", f"one of {names} is required")
+        raise FieldError("input", f"one of {names} is required")
     if kind == "prompt":
         if not request.prompt:
-            raise InvalidArgument("prompt", "must not be empty")
+            raise FieldError("prompt", "must not be empty")
         return {"prompt": request.prompt}
     if kind == "token_ids":
         if not request.token_ids.ids:
-            raise InvalidArgument("token_ids.ids", "must not be empty")
+            raise FieldError("token_ids.ids", "must not be empty")
         return {"token_ids": tuple(request.token_ids.ids)}
     return {
         "chat": chat_messages(request.chat),
@@ -103,7 +96,7 @@ def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> dict:
 def chat_messages(chat: pb.Chat) -> tuple[ChatMessage, ...]:
     """The messages; which roles are allowed is the chat template's business (stage 1)."""
     if not chat.messages:
-        raise InvalidArgument("chat.messages", "must not be empty")
+        raise FieldError("chat.messages", "must not be empty")
     return tuple(ChatMessage(role=m.role, content=m.content) for m in chat.messages)
 
 
@@ -128,7 +121,7 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
             top_logprobs=request.top_logprobs,
         )
     except FieldError as exc:
-        raise InvalidArgument(request_field(exc.field), exc.rule) from None
+        raise exc.at(request_field(exc.field)) from None
 
 
 def chunk_to_pb(chunk: Chunk) -> pb.Chunk:

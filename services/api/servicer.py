@@ -17,18 +17,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from compute.core.errors import FieldError
 from compute.log import get_logger
 from services.api import convert
 from services.api.convert import MAX_REQUEST_ID_CHARS
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
-from services.pipeline.domain import (
-    Complete,
-    EngineFault,
-    GenerateInput,
-    InvalidArgument,
-    RequestError,
-)
+from services.pipeline.domain import Complete, EngineFault, GenerateInput, RequestError
 from services.pipeline.input_limits import check_input, check_request_size
 from services.server.server_config import ServerConfig
 from services.telemetry.metrics import NO_METRICS, Metrics
@@ -91,7 +86,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         args = convert.tokenize_args(request)
         try:
             token_ids, tokens = await self._pipeline.tokenize(**args)
-        except InvalidArgument as exc:
+        except FieldError as exc:
             raise convert.renamed(exc) from None
         return pb.TokenizeResponse(token_ids=token_ids, tokens=tokens)
 
@@ -105,7 +100,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         # The pipeline counts the requests it refuses; these never reach it.
         try:
             yield
-        except InvalidArgument:
+        except FieldError:
             self._metrics.observe_rejected("invalid_argument")
             raise
 
@@ -120,7 +115,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     yield event
         except RequestError as exc:
             log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
-            if isinstance(exc, InvalidArgument):
+            if isinstance(exc, FieldError):
                 raise convert.renamed(exc) from None
             raise
 
@@ -129,14 +124,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         limit = self._config.max_batch_requests
         check_request_size(request, self._config.limits)
         if not request.requests:
-            raise InvalidArgument("requests", "must not be empty")
+            raise FieldError("requests", "must not be empty")
         if len(request.requests) > limit:
-            raise InvalidArgument("requests", f"at most {limit} (got {len(request.requests)})")
+            raise FieldError("requests", f"at most {limit} (got {len(request.requests)})")
         inputs, seen = [], {}
         for i, item in enumerate(request.requests):
             request_id = item.request_id or (f"{base_id}-{i}" if base_id else str(uuid.uuid4()))
             if request_id in seen:
-                raise InvalidArgument(
+                raise FieldError(
                     f"requests[{i}].request_id", f"duplicate of requests[{seen[request_id]}]"
                 )
             seen[request_id] = i
@@ -212,7 +207,7 @@ def _metadata(metadata: Iterable | None) -> Iterable[tuple[str, str]]:
 
 def _in_batch(exc: RequestError, i: int) -> RequestError:
     """``exc`` as raised by request ``i`` of a batch: its field becomes ``requests[i].<field>``."""
-    if isinstance(exc, InvalidArgument):
+    if isinstance(exc, FieldError):
         return exc.at(f"requests[{i}].{exc.field}")
     return type(exc)(f"requests[{i}]: {exc}")
 

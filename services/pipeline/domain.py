@@ -2,13 +2,15 @@
 
 The servicer converts protobuf -> these records, calls the pipeline, and
 converts the events it yields back to protobuf. Errors travel as
-``RequestError`` subclasses, mapped to status codes in one place.
+``RequestError`` subclasses (a bad field: compute.core.errors.FieldError), mapped to
+status codes in one place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from compute.core.errors import RequestError
 from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams
 
@@ -79,27 +81,6 @@ class ModelInfo:
     weights: str = "dense"  # --weights as it took effect: dense, quantized, quantized-int8
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # captured decode graphs (--cuda-graphs)
     async_output: bool = False  # --async-output as it took effect
-
-
-class RequestError(Exception):
-    """A request failed; ``code`` is the gRPC status code's name (services/server/status.py)."""
-
-    code = "INTERNAL"
-
-
-class InvalidArgument(RequestError):
-    """A request field breaks a rule: ``"<field>: <rule>"``, the field by its request path."""
-
-    code = "INVALID_ARGUMENT"
-
-    def __init__(self, field: str, rule: str) -> None:
-        super().__init__(f"{field}: {rule}")
-        self.field = field
-        self.rule = rule
-
-    def at(self, field: str) -> InvalidArgument:
-        """The same rule, with the field named as the caller's request spells it."""
-        return InvalidArgument(field, self.rule)
 
 
 class ResourceExhausted(RequestError):

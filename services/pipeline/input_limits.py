@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from compute.core.errors import FieldError
 from compute.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from services.pipeline.domain import InvalidArgument
 
 MIB = 1024 * 1024
 
@@ -39,10 +39,10 @@ class InputLimits:
 
 
 def check_request_size(request, limits: InputLimits) -> None:
-    """InvalidArgument if the whole message is over ``max_request_bytes``."""
+    """FieldError if the whole message is over ``max_request_bytes``."""
     size = request.ByteSize()
     if size > limits.max_request_bytes:
-        raise InvalidArgument("request", f"at most {limits.max_request_bytes} bytes (got {size})")
+        raise FieldError("request", f"at most {limits.max_request_bytes} bytes (got {size})")
 
 
 def check_input(request, limits: InputLimits) -> None:
@@ -69,4 +69,4 @@ def _utf8_bytes(text: str) -> int:
 
 def _at_most(field: str, value: int, limit: int, unit: str) -> None:
     if value > limit:
-        raise InvalidArgument(field, f"at most {limit} {unit} (got {value})")
+        raise FieldError(field, f"at most {limit} {unit} (got {value})")

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
+from compute.core.errors import FieldError
 from compute.core.messages import (
     AddRequest,
     FailureKind,
@@ -29,14 +30,7 @@ from compute.core.messages import (
 )
 from compute.log import get_logger
 from compute.tokenizer import Tokenizer
-from services.pipeline.domain import (
-    Chunk,
-    Complete,
-    EngineFault,
-    InvalidArgument,
-    RequestError,
-    Unavailable,
-)
+from services.pipeline.domain import Chunk, Complete, EngineFault, RequestError, Unavailable
 from services.pipeline.request_state import Event, Outcome, RequestState, RequestStream
 from services.telemetry.metrics import NO_METRICS, Metrics
 
@@ -275,7 +269,7 @@ def _split(step: StepOutputs, n: int, shard_of: Callable[[str], int]) -> dict[in
 
 def _error(msg: RequestFailed) -> RequestError:
     if msg.kind is FailureKind.INVALID_ARGUMENT:
-        return InvalidArgument(msg.field or "request", msg.message)
+        return FieldError(msg.field or "request", msg.message)
     if msg.kind is FailureKind.UNAVAILABLE:
         return Unavailable(msg.message)
     return EngineFault(msg.message)

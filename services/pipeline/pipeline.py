@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from compute.core.errors import FieldError
 from compute.core.messages import Abort, AddRequest, EngineStats, Shutdown
 from compute.log import get_logger
 from compute.step_loop import Inbound, StepLoop, run_step_loop
@@ -30,7 +31,6 @@ from services.pipeline.domain import (
     Chunk,
     Complete,
     GenerateInput,
-    InvalidArgument,
     ModelInfo,
     RequestError,
     ResourceExhausted,
@@ -232,7 +232,7 @@ class Pipeline:
     async def _prepare(self, inp: GenerateInput, request_id: str, arrival: float) -> AddRequest:
         try:
             return await self._stage1.prepare(inp, request_id, arrival)
-        except InvalidArgument:
+        except FieldError:
             self._reject("invalid_argument")
             raise
         except RuntimeError as exc:

@@ -21,9 +21,10 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
+from compute.core.errors import FieldError
 from compute.log import get_logger
 from services.api.servicer import log_complete
-from services.pipeline.domain import Chunk, Complete, GenerateInput, InvalidArgument, RequestError
+from services.pipeline.domain import Chunk, Complete, GenerateInput, RequestError
 from services.telemetry.metrics import NO_METRICS, Metrics
 from services.telemetry.trace_context import LogTracer
 from services.worker import convert
@@ -80,7 +81,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
                     yield response
             except RequestError as exc:
                 log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
-                if isinstance(exc, InvalidArgument):  # the pipeline names domain fields
+                if isinstance(exc, FieldError):  # the pipeline names domain fields
                     raise exc.at(convert.request_field(exc.field)) from None
                 raise
             finally:
@@ -93,7 +94,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
             self._metrics.observe_rejected("invalid_argument")
             raise
         if inp.request_id in self._aborts:
-            raise InvalidArgument("request_id", f"{inp.request_id!r} is already in flight")
+            raise FieldError("request_id", f"{inp.request_id!r} is already in flight")
         return inp
 
     async def _responses(
@@ -174,7 +175,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetLoadsResponse:
         if request.HasField("dp_rank") and request.dp_rank != 0:
-            raise InvalidArgument("dp_rank", "headrace runs one data-parallel rank (0)")
+            raise FieldError("dp_rank", "headrace runs one data-parallel rank (0)")
         stats = self._pipeline.engine_stats()
         load = pb.SchedulerLoad(
             dp_rank=0,
