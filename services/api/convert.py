@@ -14,7 +14,14 @@ from compute.core.errors import FieldError
 from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams
 from services.gen.headrace.v1 import generation_pb2 as pb
-from services.pipeline.domain import ChatMessage, Chunk, Complete, GenerateInput, ModelInfo
+from services.pipeline.domain import (
+    ChatMessage,
+    Chunk,
+    Complete,
+    GenerateInput,
+    ModelInfo,
+    prompt_form,
+)
 
 MAX_REQUEST_ID_CHARS = 128
 # The optional fields of SamplingParams / StoppingCriteria that map 1:1 onto SamplingParams.
@@ -41,6 +48,8 @@ _FIELD_PATHS = {
     **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
     **{name: f"stopping.{name}" for name in _STOPPING_FIELDS},
 }
+# Where each prompt form's content sits in the request (for "must not be empty").
+_FORM_PATHS = {"prompt": "prompt", "token_ids": "token_ids.ids", "chat": "chat.messages"}
 _FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -76,28 +85,16 @@ def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> dict:
         names = ", ".join(f.name for f in request.DESCRIPTOR.oneofs_by_name["input"].fields)
         raise FieldError("input", f"one of {names} is required")
     if kind == "prompt":
-        if not request.prompt:
-            raise FieldError("prompt", "must not be empty")
-        return {"prompt": request.prompt}
-    if kind == "token_ids":
-        if not request.token_ids.ids:
-            raise FieldError("token_ids.ids", "must not be empty")
-        return {"token_ids": tuple(request.token_ids.ids)}
-    return {
-        "chat": chat_messages(request.chat),
-        "add_generation_prompt": (
-            request.chat.add_generation_prompt
-            if request.chat.HasField("add_generation_prompt")
-            else True
-        ),
-    }
-
-
-def chat_messages(chat: pb.Chat) -> tuple[ChatMessage, ...]:
-    """The messages; which roles are allowed is the chat template's business (stage 1)."""
-    if not chat.messages:
-        raise FieldError("chat.messages", "must not be empty")
-    return tuple(ChatMessage(role=m.role, content=m.content) for m in chat.messages)
+        forms: dict = {"prompt": request.prompt}
+    elif kind == "token_ids":
+        forms = {"token_ids": tuple(request.token_ids.ids)}
+    else:  # which roles are allowed is the chat template's business (stage 1)
+        chat = request.chat
+        forms = {"chat": tuple(ChatMessage(role=m.role, content=m.content) for m in chat.messages)}
+        if chat.HasField("add_generation_prompt"):
+            forms["add_generation_prompt"] = chat.add_generation_prompt
+    prompt_form(forms, _FORM_PATHS)
+    return forms
 
 
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:

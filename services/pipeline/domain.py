@@ -8,9 +8,10 @@ status codes in one place.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from compute.core.errors import RequestError
+from compute.core.errors import FieldError, RequestError
 from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams
 
@@ -32,6 +33,21 @@ class GenerateInput:
     add_generation_prompt: bool = True
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
+
+
+PROMPT_FORMS = ("prompt", "token_ids", "chat")
+
+
+def prompt_form(forms: Mapping[str, object], paths: Mapping[str, str] | None = None) -> str:
+    """Which of prompt, token_ids and chat carries the prompt in ``forms`` (GenerateInput's
+    fields): the one rule every adapter and stage applies. FieldError unless exactly one is
+    set and it is not empty, the field named by ``paths`` (the caller's request) if given."""
+    given = [f for f in PROMPT_FORMS if forms.get(f) is not None]
+    if len(given) != 1:
+        raise FieldError("prompt", "exactly one of prompt, token_ids and chat must be set")
+    if not forms[given[0]]:
+        raise FieldError((paths or {}).get(given[0], given[0]), "must not be empty")
+    return given[0]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from compute.core.checks import RequestLimits, check_request
 from compute.core.errors import FieldError, capped
 from compute.core.messages import AddRequest
 from compute.tokenizer import Tokenizer
-from services.pipeline.domain import ChatMessage, GenerateInput
+from services.pipeline.domain import ChatMessage, GenerateInput, prompt_form
 
 T = TypeVar("T")
 
@@ -69,23 +69,16 @@ class TokenizeStage:
     def tokenize_now(
         self, prompt: str | None, chat: tuple[ChatMessage, ...] | None, add_generation_prompt: bool
     ) -> tuple[list[int], list[str]]:
-        if (prompt is None) == (chat is None):
-            raise FieldError("prompt", "exactly one of prompt and chat must be set")
-        if chat is not None:
+        if prompt_form({"prompt": prompt, "chat": chat}) == "chat":
             ids = self._chat_ids(chat, add_generation_prompt)
         else:
-            ids = self._encode_fitting("prompt", prompt) if prompt else []
+            ids = self._encode_fitting("prompt", prompt)
         tokenizer = self._require_tokenizer("prompt")
         return ids, [tokenizer.id_to_token(i) for i in ids]
 
     def _prompt_ids(self, inp: GenerateInput) -> tuple[str, list[int]]:
         """(name of the field the prompt came in, its token ids)."""
-        forms = [f for f in ("prompt", "token_ids", "chat") if getattr(inp, f) is not None]
-        if len(forms) != 1:
-            raise FieldError("prompt", "exactly one of prompt, token_ids and chat must be set")
-        field = forms[0]
-        if not getattr(inp, field):
-            raise FieldError(field, "must not be empty")
+        field = prompt_form(vars(inp))
         if field == "token_ids":
             return field, list(inp.token_ids)
         if field == "chat":
@@ -107,8 +100,6 @@ class TokenizeStage:
 
     def _chat_ids(self, chat: tuple[ChatMessage, ...], add_generation_prompt: bool) -> list[int]:
         tokenizer = self._require_tokenizer("chat")
-        if not chat:
-            raise FieldError("chat", "must not be empty")
         for i, message in enumerate(chat):
             if message.role not in tokenizer.chat_roles:
                 roles = ", ".join(sorted(tokenizer.chat_roles))

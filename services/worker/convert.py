@@ -16,7 +16,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from compute.core.errors import FieldError
 from compute.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from services.api.convert import MAX_REQUEST_ID_CHARS
-from services.pipeline.domain import Chunk, Complete, GenerateInput
+from services.pipeline.domain import Chunk, Complete, GenerateInput, prompt_form
 
 SP = "sampling_params"
 # Where the pipeline's domain field names live in a vLLM GenerateRequest.
@@ -47,14 +47,13 @@ def to_input(request: pb.GenerateRequest) -> GenerateInput:
 def _prompt(request: pb.GenerateRequest) -> dict:
     kind = request.WhichOneof("input")
     if kind == "tokenized":
-        if not request.tokenized.input_ids:
-            raise FieldError("tokenized.input_ids", "must not be empty")
-        return {"token_ids": tuple(request.tokenized.input_ids)}
-    if kind == "text":
-        if not request.text:
-            raise FieldError("text", "must not be empty")
-        return {"prompt": request.text}
-    raise FieldError("input", "set one of tokenized, text")
+        forms: dict = {"token_ids": tuple(request.tokenized.input_ids)}
+    elif kind == "text":
+        forms = {"prompt": request.text}
+    else:
+        raise FieldError("input", "set one of tokenized, text")
+    prompt_form(forms, _INPUT_PATHS)
+    return forms
 
 
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
