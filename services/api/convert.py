@@ -62,11 +62,6 @@ def request_field(field: str) -> str:
     return _FIELD_PATHS.get(head, head) + dot + rest
 
 
-def renamed(exc: FieldError) -> FieldError:
-    """The pipeline's FieldError with its field named by its request path."""
-    return exc.at(request_field(exc.field))
-
-
 def to_input(request: pb.GenerateRequest, request_id: str) -> GenerateInput:
     """A validated GenerateInput; FieldError names the offending request field."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:

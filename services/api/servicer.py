@@ -9,21 +9,22 @@ generator at once, which aborts the request in the engine.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import grpc
 
 from compute.core.errors import FieldError
-from compute.log import get_logger
 from services.api import convert
 from services.api.convert import MAX_REQUEST_ID_CHARS
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
-from services.pipeline.domain import Complete, EngineFault, GenerateInput, RequestError
+from services.pipeline.calls import counting_rejection, logged
+from services.pipeline.domain import GenerateInput, RequestError
+from services.pipeline.fan_in import fan_in
 from services.pipeline.input_limits import check_input, check_request_size
 from services.server.server_config import ServerConfig
 from services.telemetry.metrics import NO_METRICS, Metrics
@@ -34,8 +35,6 @@ if TYPE_CHECKING:  # the servicer only needs the pipeline's interface
     from services.telemetry.trace_context import RequestTrace, RequestTracer
 
 REQUEST_ID_METADATA = "x-request-id"
-
-log = get_logger(__name__)
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
@@ -61,7 +60,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         with self._tracer.request(
             request_id[:MAX_REQUEST_ID_CHARS], context.invocation_metadata()
         ) as trace:
-            with self._counting_rejection():
+            with counting_rejection(self._metrics):
                 check_input(request, self._config.limits)  # names the field, so first
                 check_request_size(request, self._config.limits)
                 inp = convert.to_input(request, request_id)
@@ -71,9 +70,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def GenerateBatch(
         self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateBatchResponse]:
-        with self._counting_rejection():
+        with counting_rejection(self._metrics):
             inputs = self._batch_inputs(request, _call_request_id(context, fallback=""))
-        async for i, event in self._merged(inputs, context.invocation_metadata()):
+        metadata = context.invocation_metadata()
+        streams = {inp.request_id: partial(self._traced, inp, metadata) for inp in inputs}
+        async for i, event in fan_in(streams, _in_batch):
             yield pb.GenerateBatchResponse(
                 request_id=inputs[i].request_id, index=i, **convert.event_fields(event)
             )
@@ -87,7 +88,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             token_ids, tokens = await self._pipeline.tokenize(**args)
         except FieldError as exc:
-            raise convert.renamed(exc) from None
+            raise exc.at(convert.request_field(exc.field)) from None
         return pb.TokenizeResponse(token_ids=token_ids, tokens=tokens)
 
     async def GetModelInfo(
@@ -95,29 +96,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> pb.GetModelInfoResponse:
         return convert.model_info_to_pb(self._pipeline.model_info())
 
-    @contextlib.contextmanager
-    def _counting_rejection(self) -> Iterator[None]:
-        # The pipeline counts the requests it refuses; these never reach it.
-        try:
-            yield
-        except FieldError:
-            self._metrics.observe_rejected("invalid_argument")
-            raise
-
     async def _events(self, inp: GenerateInput, trace: RequestTrace) -> AsyncIterator:
         """The pipeline's events for one request, logged, with errors naming request fields
         (inside the request's ``tracer.request`` scope)."""
-        try:
-            async with contextlib.aclosing(self._pipeline.generate(inp)) as events:
-                async for event in trace.watch(events):
-                    if isinstance(event, Complete):
-                        log_complete(inp.request_id, event)
-                    yield event
-        except RequestError as exc:
-            log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
-            if isinstance(exc, FieldError):
-                raise convert.renamed(exc) from None
-            raise
+        async with contextlib.aclosing(self._pipeline.generate(inp)) as events:
+            async for event in logged(inp.request_id, trace.watch(events), convert.request_field):
+                yield event
+
+    async def _traced(self, inp: GenerateInput, metadata: Iterable | None) -> AsyncIterator:
+        """One request of a batch in a ``tracer.request`` scope of its own."""
+        with self._tracer.request(inp.request_id, metadata) as trace:
+            async for event in self._events(inp, trace):
+                yield event
 
     def _batch_inputs(self, request: pb.GenerateBatchRequest, base_id: str) -> list[GenerateInput]:
         """Validated inputs of a batch; errors name ``requests[i].<field>``."""
@@ -139,58 +129,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 check_input(item, self._config.limits)
                 inputs.append(convert.to_input(item, request_id))
         return inputs
-
-    async def _merged(
-        self, inputs: list[GenerateInput], metadata: Iterable | None
-    ) -> AsyncIterator:
-        """(index, event) of all requests as they come, once every request has started.
-
-        Holding events back until each request has produced its first one means a request
-        the pipeline rejects (too long a prompt, a full queue) fails the whole call before
-        anything is streamed.
-        """
-        queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(inputs))
-        tasks = [
-            asyncio.create_task(self._pump(i, inp, queue, metadata)) for i, inp in enumerate(inputs)
-        ]
-        try:
-            held: list | None = []
-            started, done = set(), 0
-            while done < len(inputs):
-                i, event = await queue.get()
-                if isinstance(event, RequestError):
-                    raise _in_batch(event, i)
-                if event is None:
-                    done += 1
-                    continue
-                started.add(i)
-                if held is None:
-                    yield i, event
-                    continue
-                held.append((i, event))
-                if len(started) == len(inputs):
-                    for item in held:
-                        yield item
-                    held = None
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _pump(
-        self, i: int, inp: GenerateInput, queue: asyncio.Queue, metadata: Iterable | None
-    ) -> None:
-        # Each task owns its request's generator, so closing it never races the reader.
-        try:
-            with self._tracer.request(inp.request_id, metadata) as trace:
-                async for event in self._events(inp, trace):
-                    await queue.put((i, event))
-            await queue.put((i, None))
-        except RequestError as exc:
-            await queue.put((i, exc))
-        except Exception as exc:
-            log.error("batch request failed", request_id=inp.request_id, exc_info=exc)
-            await queue.put((i, EngineFault("internal error")))
 
 
 def _call_request_id(context: grpc.aio.ServicerContext, fallback: str | None = None) -> str:
@@ -218,19 +156,3 @@ def _naming_request(i: int):
         yield
     except RequestError as exc:
         raise _in_batch(exc, i) from None
-
-
-def log_complete(request_id: str, complete: Complete) -> None:
-    usage, timing = complete.usage, complete.timing
-    log.info(
-        "request complete",
-        request_id=request_id,
-        finish_reason=complete.finish_reason,
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        cached_prompt_tokens=usage.cached_prompt_tokens,
-        tokenize_s=round(timing.tokenize_seconds, 6),
-        queue_s=round(timing.queue_seconds, 6),
-        ttft_s=round(timing.time_to_first_token_seconds, 6),
-        total_s=round(timing.total_seconds, 6),
-    )

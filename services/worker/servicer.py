@@ -23,7 +23,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from compute.core.errors import FieldError
 from compute.log import get_logger
-from services.api.servicer import log_complete
+from services.pipeline.calls import counting_rejection, logged
 from services.pipeline.domain import Chunk, Complete, GenerateInput, RequestError
 from services.telemetry.metrics import NO_METRICS, Metrics
 from services.telemetry.trace_context import LogTracer
@@ -79,20 +79,12 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
             try:
                 async for response in self._responses(inp, request.stream, aborted, trace):
                     yield response
-            except RequestError as exc:
-                log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
-                if isinstance(exc, FieldError):  # the pipeline names domain fields
-                    raise exc.at(convert.request_field(exc.field)) from None
-                raise
             finally:
                 del self._aborts[inp.request_id]
 
     def _checked_input(self, request: pb.GenerateRequest) -> GenerateInput:
-        try:
+        with counting_rejection(self._metrics):
             inp = convert.to_input(request)
-        except RequestError:
-            self._metrics.observe_rejected("invalid_argument")
-            raise
         if inp.request_id in self._aborts:
             raise FieldError("request_id", f"{inp.request_id!r} is already in flight")
         return inp
@@ -104,9 +96,12 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         sent: list[int] = []  # streamed: all tokens so far; unary: held for the Complete
         logprobs: list = []
         # Inner aclosing first: it stops reading ``events`` before the outer one closes it.
+        # The pipeline names domain fields; logged names them by this protocol's paths.
         async with (
             contextlib.aclosing(self._pipeline.generate(inp)) as events,
-            contextlib.aclosing(_until(trace.watch(events), aborted)) as guarded,
+            contextlib.aclosing(
+                _until(logged(inp.request_id, trace.watch(events), convert.request_field), aborted)
+            ) as guarded,
         ):
             async for event in guarded:
                 if event is None:  # Abort(request_ids) named this request
@@ -120,7 +115,6 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
                     else:
                         logprobs.extend(event.logprobs)
                 elif isinstance(event, Complete):
-                    log_complete(inp.request_id, event)
                     yield convert.complete_to_pb(event, [] if stream else sent, logprobs)
 
     async def Abort(
