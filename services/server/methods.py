@@ -28,20 +28,16 @@ _WORKER_TRACED = (WORKER + "Generate", WORKER + "Abort")
 
 
 def needs_token(method: str, auth_reflection: bool) -> bool:
-    """Whether a call must carry an accepted bearer token (when auth is on)."""
     return not method.startswith((HEALTH,) if auth_reflection else (HEALTH, REFLECTION))
 
 
 def gated(method: str) -> bool:
-    """Whether the drain gate counts the call and refuses it while draining."""
     return method.startswith(_GATED)
 
 
 def mapped(method: str) -> bool:
-    """Whether escaping exceptions become status codes (services/server/status.py)."""
     return method.startswith(_MAPPED)
 
 
 def traced(method: str) -> bool:
-    """Whether the call gets a server span."""
     return method.startswith(SERVICE) or method in _WORKER_TRACED

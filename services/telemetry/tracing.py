@@ -48,11 +48,6 @@ except Exception:  # not installed as a distribution (a bare checkout)
     _VERSION = "unknown"
 
 
-def traced_method(details: grpc.HandlerCallDetails) -> bool:
-    """Which calls get a span (services/server/methods.py)."""
-    return methods.traced(details.method)
-
-
 class Tracing:
     """The tracer provider, its exporter, the gRPC interceptor and the request tracer."""
 
@@ -63,7 +58,7 @@ class Tracing:
         self.provider = TracerProvider(resource=resource)
         processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
         self.provider.add_span_processor(processor)
-        self.interceptor = aio_server_interceptor(self.provider, filter_=traced_method)
+        self.interceptor = aio_server_interceptor(self.provider, filter_=_traced)
         self.requests = SpanTracer(self.provider.get_tracer("headrace", _VERSION))
 
     @classmethod
@@ -187,3 +182,7 @@ def _bound_ids(ids: trace.SpanContext) -> Iterator[None]:
     trace_id, span_id = format(ids.trace_id, "032x"), format(ids.span_id, "016x")
     with structlog.contextvars.bound_contextvars(trace_id=trace_id, span_id=span_id):
         yield
+
+
+def _traced(details: grpc.HandlerCallDetails) -> bool:
+    return methods.traced(details.method)
