@@ -1,11 +1,11 @@
 """Protobuf <-> domain records for the GenerationService (the servicer's two halves).
 
-``to_input`` checks what only the wire shape can tell (a missing input, an empty
-prompt or chat) and builds ``SamplingParams``, whose own rules name a domain field;
-``FieldError`` then names the field by its path in the request. Checks that need
-the model (chat roles, prompt length, vocabulary) run in the pipeline; its field names
-are mapped to request paths by ``request_field``. Finish reasons become protobuf here
-and only here.
+``to_input`` checks what only the wire shape can tell (a missing input; an empty prompt
+or chat, by domain.prompt_form) and builds ``SamplingParams``, whose own rules name a
+domain field; ``FieldError`` then names the field by its path in the request. Checks
+that need the model (chat roles, prompt length, vocabulary) run in the pipeline; its
+field names are mapped to request paths by ``request_field``. Finish reasons become
+protobuf here and only here.
 """
 
 from __future__ import annotations
@@ -26,22 +26,12 @@ from services.pipeline.domain import (
 MAX_REQUEST_ID_CHARS = 128
 # The optional fields of SamplingParams / StoppingCriteria that map 1:1 onto SamplingParams.
 _SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-)
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed",
+)  # fmt: skip
 _STOPPING_FIELDS = (
-    "max_tokens",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str_in_output",
-)
+    "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+)  # fmt: skip
 # Where each domain field (SamplingParams, GenerateInput) lives in a GenerateRequest.
 _FIELD_PATHS = {
     "token_ids": "token_ids.ids",
@@ -172,12 +162,7 @@ def event_fields(event: Chunk | Complete) -> dict:
 
 def tokenize_args(request: pb.TokenizeRequest) -> dict:
     """Keyword arguments of Pipeline.tokenize for a TokenizeRequest."""
-    prompt = _prompt(request)
-    return {
-        "prompt": prompt.get("prompt"),
-        "chat": prompt.get("chat"),
-        "add_generation_prompt": prompt.get("add_generation_prompt", True),
-    }
+    return {"prompt": None, "chat": None, **_prompt(request)}
 
 
 def model_info_to_pb(info: ModelInfo) -> pb.GetModelInfoResponse:

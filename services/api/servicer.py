@@ -125,22 +125,20 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     f"requests[{i}].request_id", f"duplicate of requests[{seen[request_id]}]"
                 )
             seen[request_id] = i
-            with _naming_request(i):
+            try:
                 check_input(item, self._config.limits)
                 inputs.append(convert.to_input(item, request_id))
+            except RequestError as exc:
+                raise _in_batch(exc, i) from None
         return inputs
 
 
 def _call_request_id(context: grpc.aio.ServicerContext, fallback: str | None = None) -> str:
     """The call's ``x-request-id`` metadata, else ``fallback``, else a new UUID."""
-    for key, value in _metadata(context.invocation_metadata()):
+    for key, value, *_ in context.invocation_metadata() or ():
         if key == REQUEST_ID_METADATA and value:
             return value
     return str(uuid.uuid4()) if fallback is None else fallback
-
-
-def _metadata(metadata: Iterable | None) -> Iterable[tuple[str, str]]:
-    return ((item[0], item[1]) for item in metadata or ())
 
 
 def _in_batch(exc: RequestError, i: int) -> RequestError:
@@ -148,11 +146,3 @@ def _in_batch(exc: RequestError, i: int) -> RequestError:
     if isinstance(exc, FieldError):
         return exc.at(f"requests[{i}].{exc.field}")
     return type(exc)(f"requests[{i}]: {exc}")
-
-
-@contextlib.contextmanager
-def _naming_request(i: int):
-    try:
-        yield
-    except RequestError as exc:
-        raise _in_batch(exc, i) from None

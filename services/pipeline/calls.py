@@ -19,8 +19,7 @@ log = get_logger(__name__)
 
 @contextlib.contextmanager
 def counting_rejection(metrics: Metrics) -> Iterator[None]:
-    """Counts a FieldError raised in the block: the pipeline counts the requests it refuses,
-    these never reach it."""
+    """Counts a FieldError raised in the block (the pipeline counts those it refuses)."""
     try:
         yield
     except FieldError:

@@ -186,27 +186,23 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         )
 
 
-def _unary_unimplemented(name: str):
-    async def method(self, request, context):
+def _unimplemented(name: str, stream: bool):
+    async def unary(self, request, context):
         raise Unimplemented(f"{name} is not implemented by headrace")
 
-    return method
-
-
-def _stream_unimplemented(name: str):
-    async def method(self, request, context):
+    async def streaming(self, request, context):
         raise Unimplemented(f"{name} is not implemented by headrace")
         yield  # an async generator, as grpc expects of a server-streaming handler
 
-    return method
+    return streaming if stream else unary
 
 
 # The generated base class answers these with NotImplementedError, which the status
 # mapping would log as an internal error on every gateway poll.
 for _name in UNARY_UNIMPLEMENTED:
-    setattr(WorkerServicer, _name, _unary_unimplemented(_name))
+    setattr(WorkerServicer, _name, _unimplemented(_name, stream=False))
 for _name in STREAM_UNIMPLEMENTED:
-    setattr(WorkerServicer, _name, _stream_unimplemented(_name))
+    setattr(WorkerServicer, _name, _unimplemented(_name, stream=True))
 
 
 async def _until(events: AsyncIterator, aborted: asyncio.Event) -> AsyncIterator:
