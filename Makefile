@@ -89,8 +89,8 @@ generate: setup ## one in-process generation, no server: make generate ARGS='--c
 proto: setup ## regenerate the Python gRPC code from protos/
 	$(PY) -m services.codegen
 
-docs: setup ## regenerate docs/configuration.md from the flag table (services/cli_flags.py)
-	$(PY) -m services.config_doc > docs/configuration.md
+docs: setup ## regenerate docs/configuration.md from the flag table (services/cli/cli_flags.py)
+	$(PY) -m services.cli.config_doc > docs/configuration.md
 
 bench: setup ## offline continuous-batching benchmark vs HF static batching (JSON+PNG in bench/results)
 	$(PY) bench/offline.py $(ARGS)

@@ -18,7 +18,7 @@ from services.bench import launch
 from services.bench.launch import READY
 from services.bench.runner import RunSettings, run_workload
 from services.bench.workload import BenchRequest
-from services.client import Client, generate_request
+from services.client.client import Client, generate_request
 
 # "--headrace-weights default" starts the server without --weights (its own default), so
 # the comparison also runs against a build that has no such flag.

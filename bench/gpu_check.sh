@@ -96,7 +96,7 @@ install() {
     note "step install: no wheels in $WHEELS (run 'make gpu-wheels' where PyPI is reachable)"
   fi
   step imports 60 install.log "$PYTHON" -c \
-    "import compute.engine, services.server, kernels.cuda; print('imports ok')"
+    "import compute.engine, services.server.server, kernels.cuda; print('imports ok')"
 }
 
 tests() {

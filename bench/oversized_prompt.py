@@ -50,7 +50,7 @@ def rss_mib(pid: int) -> float:
 
 @contextlib.contextmanager
 def server(extra: list[str]):
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+    cmd = [sys.executable, "-m", "services.cli.cli", "serve", "--host", "127.0.0.1", "--port", "0",
            "--metrics-port", "0", "--log-level", "warning", *extra]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "server.log"

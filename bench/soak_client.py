@@ -20,7 +20,7 @@ import grpc
 
 from bench.soak_requests import Planned
 from services.bench.arrivals import arrival_offsets
-from services.client import CHANNEL_OPTIONS
+from services.client.client import CHANNEL_OPTIONS
 from services.gen.headrace.v1 import generation_pb2 as pb
 
 SERVICE = "/headrace.v1.GenerationService/"

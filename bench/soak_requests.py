@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from services.bench.workload import POOL_TEXT
 from services.gen.headrace.v1 import generation_pb2 as pb
 
-MALFORMED = ("request:",)  # services/status.py MALFORMED_MESSAGE starts so
+MALFORMED = ("request:",)  # services/server/status.py MALFORMED_MESSAGE starts so
 
 
 @dataclass(frozen=True)

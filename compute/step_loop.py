@@ -78,7 +78,8 @@ class StepLoop:
         self._idle_before_step = 0.0  # starved wait since the last step, for StepTiming
         self.stats: EngineStats = engine.stats()  # replaced (not mutated) after every step
         # The loop died (a bug, or an engine that failed MAX_FAILED_STEPS steps in a row):
-        # nothing will serve requests any more, and the server shuts down (services/server.py).
+        # nothing will serve requests any more, and the server shuts down
+        # (services/server/server.py).
         self.crashed = False
         self._failed_steps = 0  # consecutive engine.step failures
 

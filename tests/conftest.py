@@ -20,13 +20,13 @@ import grpc
 import pytest
 import structlog
 
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 
 if TYPE_CHECKING:  # imported when used, so that a broken service never breaks collection
     from services.gen.headrace.v1 import generation_pb2_grpc
-    from services.metrics import Metrics
-    from services.pipeline import Pipeline, PipelineConfig
-    from services.server import Server
+    from services.pipeline.pipeline import Pipeline, PipelineConfig
+    from services.server.server import Server
+    from services.telemetry.metrics import Metrics
     from tests.fake_engine import FakeEngine
 
 # What the fake engine "generates", cycled: whole words, so chunks are readable text.
@@ -66,12 +66,12 @@ def running_server(
     engine: Any,
     config: ServerConfig | None = None,
     pipeline_config: PipelineConfig | None = None,
-    tracing: Any = None,  # a services.tracing.Tracing, or None (off)
+    tracing: Any = None,  # a services.telemetry.tracing.Tracing, or None (off)
 ) -> Iterator[RunningServer]:
     """Pipeline + Server around ``engine``, started; stopped and joined on exit."""
-    from services.metrics import Metrics
-    from services.pipeline import Pipeline, PipelineConfig
-    from services.server import Server
+    from services.pipeline.pipeline import Pipeline, PipelineConfig
+    from services.server.server import Server
+    from services.telemetry.metrics import Metrics
 
     config = config or ServerConfig(host="127.0.0.1", port=0, metrics_port=-1)
     metrics = Metrics()

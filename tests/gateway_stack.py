@@ -75,7 +75,7 @@ class Stack:
 
     def replica(self, *args: str, timeout: float = 180.0) -> Replica:
         port, metrics_port = free_port(), free_port()
-        argv = [sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1"]
+        argv = [sys.executable, "-m", "services.cli.cli", "serve", "--host", "127.0.0.1"]
         argv += ["--port", str(port), "--metrics-port", str(metrics_port), "--device", "cpu"]
         argv += ["--threads", "1", "--log-format", "json", *args]
         log = open(self.workdir / f"replica-{port}.log", "w")  # noqa: SIM115 (lives on)

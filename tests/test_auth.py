@@ -17,12 +17,12 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as worker_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
 from structlog.testing import capture_logs
 
-from services import auth_tokens
-from services.auth import INVALID, MALFORMED, MISSING, bearer_token, refusal
-from services.auth_tokens import TokenFile, read_tokens
 from services.gen.headrace.v1 import generation_pb2 as pb
-from services.security_config import SecurityConfig
-from services.server_config import ServerConfig
+from services.security import auth_tokens
+from services.security.auth import INVALID, MALFORMED, MISSING, bearer_token, refusal
+from services.security.auth_tokens import TokenFile, read_tokens
+from services.security.security_config import SecurityConfig
+from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer
 
 TIMEOUT = 30

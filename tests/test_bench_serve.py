@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services import cli
 from services.bench import arrivals, stats, workload
-from services.server_config import ServerConfig
+from services.cli import cli
+from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from compute.core.config import EngineConfig
-from services import cli, cli_flags
-from services.server_config import ServerConfig
+from services.cli import cli, cli_flags
+from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,7 +153,7 @@ def test_info_and_health(served: RunningServer, capsys) -> None:
 
 def test_help_runs_as_a_module() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "--help"],
+        [sys.executable, "-m", "services.cli.cli", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -189,7 +189,7 @@ def test_generate_offline(capsys) -> None:
 def test_serve_announces_then_drains_and_exits_0_on_sigterm(tmp_path: Path) -> None:
     _needs_default_model()
     env = {**os.environ, "HEADRACE_PORT": "0", "HEADRACE_METRICS_PORT": "0"}
-    argv = [sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1"]
+    argv = [sys.executable, "-m", "services.cli.cli", "serve", "--host", "127.0.0.1"]
     argv += ["--device", "cpu", "--threads", "2", "--num-blocks", "64", "--log-format", "json"]
     server = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -200,7 +200,7 @@ def test_serve_announces_then_drains_and_exits_0_on_sigterm(tmp_path: Path) -> N
         target = re.search(r"on (\S+:\d+)", ready).group(1)
         assert "/metrics" in server.stdout.readline()
         result = subprocess.run(
-            [sys.executable, "-m", "services.cli", "generate", "--server", target,
+            [sys.executable, "-m", "services.cli.cli", "generate", "--server", target,
              "--prompt", "Hello", "--max-tokens", "3"],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
@@ -218,8 +218,8 @@ def test_serve_announces_then_drains_and_exits_0_on_sigterm(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("status", [0, 1])
 def test_serve_exits_with_the_servers_status(monkeypatch, status: int) -> None:
-    # 1 = the step loop died (services/server.py): the supervisor must see a failure.
-    import services.server
+    # 1 = the step loop died (services/server/server.py): the supervisor must see a failure.
+    import services.server.server
 
-    monkeypatch.setattr(services.server, "run", lambda *args, **kwargs: status)
+    monkeypatch.setattr(services.server.server, "run", lambda *args, **kwargs: status)
     assert cli.main(["serve", "--model", "dummy:tiny"]) == status

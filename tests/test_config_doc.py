@@ -1,4 +1,4 @@
-"""The docs stay true to the code: docs/configuration.md is what services/config_doc.py
+"""The docs stay true to the code: docs/configuration.md is what services/cli/config_doc.py
 writes from the flag table (as tests/test_proto.py checks the generated stubs), README.md
 stays a landing page, and every relative link in README.md and docs/ leads to a file."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from services import config_doc
-from services.cli_flags import FLAGS
+from services.cli import config_doc
+from services.cli.cli_flags import FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.connection_config import ConnectionConfig
-from services.server_config import ServerConfig
+from services.server.connection_config import ConnectionConfig
+from services.server.server_config import ServerConfig
 
 TIMEOUT = 30
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"

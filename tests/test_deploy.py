@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 import yaml
 
-from services import cli_flags
+from services.cli import cli_flags
 from tests.conftest import RunningServer
 
 ROOT = Path(__file__).resolve().parent.parent

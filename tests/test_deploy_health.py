@@ -9,8 +9,8 @@ import time
 import urllib.error
 import urllib.request
 
-from services import cli
-from services.server_config import ServerConfig
+from services.cli import cli
+from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer, fake_engine
 
 
@@ -99,7 +99,7 @@ def test_connection_age_sends_goaway_and_streams_still_finish(serve) -> None:
 
 
 def cli_request(max_tokens: int):
-    from services import client
+    from services.client import client
 
     return client.generate_request("hello", max_tokens=max_tokens)
 

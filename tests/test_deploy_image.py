@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kernels.cpu.build import ISA_LEVELS
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +104,7 @@ def test_cpu_target_commands_run_in_a_fresh_venv(tmp_path: Path, serve) -> None:
     # ENTRYPOINT + a flag: the console script starts and parses its flags.
     _sh("headrace serve --help", env, cwd=tmp_path)
     # The tracing extra came along, so HEADRACE_OTLP_ENDPOINT works in the image.
-    _sh('python -c "import services.tracing"', env, cwd=tmp_path)
+    _sh('python -c "import services.telemetry.tracing"', env, cwd=tmp_path)
     # HEALTHCHECK against a live server, through the image's HEADRACE_SERVER variable.
     running: RunningServer = serve(config=ServerConfig(host="127.0.0.1", port=0, metrics_port=-1))
     health = json.loads(

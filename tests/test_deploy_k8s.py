@@ -12,8 +12,8 @@ import pytest
 import yaml
 from kubernetes_validate.utils import ValidationError
 
-from services import cli_flags
-from services.server import SERVICE_NAME
+from services.cli import cli_flags
+from services.server.server import SERVICE_NAME
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 VERSION = "1.33.0"
@@ -75,7 +75,7 @@ def test_service_ports_are_named_and_grpc() -> None:
 
 
 def test_hpa_metric_is_exported_and_adapted() -> None:
-    from services.metrics import Metrics
+    from services.telemetry.metrics import Metrics
 
     (metric,) = _load("hpa")["spec"]["metrics"]
     name = metric["pods"]["metric"]["name"]

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compute.tokenizer import Tokenizer
-from services.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from services.pipeline.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from tests.fake_engine import smollm2_tokenizer
 
 SAMPLES = [

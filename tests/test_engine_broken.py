@@ -28,10 +28,10 @@ from compute.core.sampling_params import SamplingParams
 from compute.step_loop import MAX_FAILED_STEPS, StepLoop
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
-from services.metrics import Metrics
-from services.pipeline import Pipeline, PipelineConfig
-from services.server import Server, serve
-from services.server_config import ServerConfig
+from services.pipeline.pipeline import Pipeline, PipelineConfig
+from services.server.server import Server, serve
+from services.server.server_config import ServerConfig
+from services.telemetry.metrics import Metrics
 from tests.conftest import fake_engine
 
 TIMEOUT = 30
@@ -175,7 +175,7 @@ def _stream_code(running, request_id: str, max_tokens: int = 3) -> tuple[str, st
 
 
 def test_an_output_stage_fault_fails_only_its_request(serve, monkeypatch) -> None:
-    from services.request_state import RequestState
+    from services.pipeline.request_state import RequestState
 
     on_output = RequestState.on_output
 
@@ -197,7 +197,7 @@ def test_an_output_stage_fault_fails_only_its_request(serve, monkeypatch) -> Non
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_output_worker_fails_its_requests_and_stops_the_server(serve, monkeypatch):
-    from services.output_stage import OutputStage
+    from services.pipeline.output_stage import OutputStage
 
     on_step = OutputStage._on_step
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from services import client
+from services.client import client
 from services.gen.headrace.v1 import generation_pb2_grpc
 from tests.gateway_stack import Replica, Stack, served_model, smg_binary, terminate
 

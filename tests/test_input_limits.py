@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from services.gen.headrace.v1 import generation_pb2 as pb
-from services.input_limits import MIB, InputLimits
-from services.server_config import ServerConfig
+from services.pipeline.input_limits import MIB, InputLimits
+from services.server.server_config import ServerConfig
 from tests.conftest import fake_engine
 
 TIMEOUT = 60

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services import client
+from services.client import client
 from tests.loadbalancer_cluster import Cluster, Replica, start_cluster, terminate
 
 pytestmark = pytest.mark.skipif(

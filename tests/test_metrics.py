@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from compute.core.messages import EngineStats, StepTiming
-from services.metrics import Metrics
+from services.telemetry.metrics import Metrics
 
 EXPECTED_SAMPLES = {
     "headrace_requests_running",
@@ -102,7 +102,7 @@ def test_step_timing_and_request_phases_become_histograms() -> None:
 
 
 def test_a_served_request_fills_the_step_and_phase_histograms(served) -> None:
-    from services.client import Client, generate_request
+    from services.client.client import Client, generate_request
 
     with Client(served.target, timeout=30) as client:
         for i in range(3):

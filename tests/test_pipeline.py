@@ -11,20 +11,20 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from compute.core.errors import FieldError
 from compute.core.sampling_params import SamplingParams
 from compute.tokenizer import Tokenizer
-from services.domain import (
+from services.pipeline.domain import (
     ChatMessage,
     Chunk,
     Complete,
     EngineFault,
     GenerateInput,
-    InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
-from services.metrics import Metrics
-from services.pipeline import Pipeline, PipelineConfig
+from services.pipeline.pipeline import Pipeline, PipelineConfig
+from services.telemetry.metrics import Metrics
 from tests.fake_engine import FakeEngine, smollm2_tokenizer
 
 if TYPE_CHECKING:  # imported lazily by the slow test: it pulls in torch and the model
@@ -194,7 +194,7 @@ def test_invalid_input_is_rejected_before_the_engine(
     engine: FakeEngine, inp: GenerateInput, field: str
 ) -> None:
     with running(engine) as pipeline:
-        with pytest.raises(InvalidArgument) as err:
+        with pytest.raises(FieldError) as err:
             asyncio.run(collect(pipeline, inp))
         assert pipeline.num_pending == 0
     assert err.value.field == field
@@ -205,7 +205,7 @@ def test_invalid_input_is_rejected_before_the_engine(
 def test_engine_value_error_becomes_invalid_argument(engine: FakeEngine, tok: Tokenizer) -> None:
     engine.refuse_token = tok.encode("Hi")[0]
     with running(engine) as pipeline:
-        with pytest.raises(InvalidArgument) as err:
+        with pytest.raises(FieldError) as err:
             asyncio.run(collect(pipeline, request()))
         chunks, _ = asyncio.run(collect(pipeline, request(prompt="Hello")))
     assert err.value.field == "prompt"
@@ -272,7 +272,7 @@ def test_tokenize_model_info_and_stats(engine: FakeEngine, tok: Tokenizer) -> No
     with running(engine) as pipeline:
         ids, strs = asyncio.run(pipeline.tokenize("Hello world", None))
         chat_ids, _ = asyncio.run(pipeline.tokenize(None, (ChatMessage("user", "hi"),)))
-        with pytest.raises(InvalidArgument):
+        with pytest.raises(FieldError):
             asyncio.run(pipeline.tokenize(None, (ChatMessage("wizard", "hi"),)))
         info = pipeline.model_info()
         asyncio.run(collect(pipeline, request(max_tokens=3)))

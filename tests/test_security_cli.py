@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
-from services.security_config import SecurityConfig
-from services.server_config import ServerConfig
+from services.cli import cli
+from services.security.security_config import SecurityConfig
+from services.server.server_config import ServerConfig
 from tests.certs import issue, make_ca
 from tests.conftest import SCRIPT_TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADRACE = [sys.executable, "-m", "services.cli"]
+HEADRACE = [sys.executable, "-m", "services.cli.cli"]
 TOKEN = "cli-test-token-0123456789"
 READY = re.compile(r"headrace ready: .* on (\S+):(\d+)")
 
@@ -270,7 +270,7 @@ def test_bench_serve_over_tls_with_a_token(serve, files, tmp_path: Path, monkeyp
 
 
 def test_flags_and_env_twins_reach_the_configs(files) -> None:
-    from services.cli_flags import build_configs
+    from services.cli.cli_flags import build_configs
 
     environ = {
         "HEADRACE_AUTH_TOKEN_FILE": str(files["tokens"]),

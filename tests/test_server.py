@@ -21,9 +21,9 @@ from structlog.testing import capture_logs
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
 from compute.core.sampling_params import SamplingParams
 from services.gen.headrace.v1 import generation_pb2 as pb
-from services.pipeline import PipelineConfig
-from services.server import SERVICE_NAME
-from services.server_config import ServerConfig
+from services.pipeline.pipeline import PipelineConfig
+from services.server.server import SERVICE_NAME
+from services.server.server_config import ServerConfig
 from tests.conftest import SCRIPT_TEXT, RunningServer, fake_engine, running_server
 
 BUF = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "buf"

@@ -21,7 +21,7 @@ from bench.soak_requests import FIELD_CASES, UNKNOWN_FIELDS, WIRE_CASES, Expect
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
 from compute.engine import Engine
 from compute.memory_report import log_memory
-from services.server_config import ServerConfig
+from services.server.server_config import ServerConfig
 
 MIX = "normal:6,cancel:3,deadline:2,bad:18,oversized:2"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.stop_strings import StopStringMatcher, first_stop, truncate_at_stop
+from services.pipeline.stop_strings import StopStringMatcher, first_stop, truncate_at_stop
 
 
 def stream(

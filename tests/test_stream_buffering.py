@@ -8,8 +8,8 @@ import asyncio
 
 from compute.core.messages import TokenLogprob
 from compute.core.sampling_params import SamplingParams
-from services.domain import Chunk, Complete, GenerateInput
-from services.request_state import RequestStream
+from services.pipeline.domain import Chunk, Complete, GenerateInput
+from services.pipeline.request_state import RequestStream
 from tests.conftest import SCRIPT_TEXT
 from tests.fake_engine import FakeEngine, smollm2_tokenizer
 from tests.test_pipeline import running

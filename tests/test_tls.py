@@ -19,11 +19,11 @@ import grpc
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from services.client import Client
-from services.client_security import ClientSecurity
+from services.client.client import Client
+from services.client.client_security import ClientSecurity
 from services.gen.headrace.v1 import generation_pb2 as pb
-from services.security_config import SecurityConfig
-from services.server_config import ServerConfig
+from services.security.security_config import SecurityConfig
+from services.server.server_config import ServerConfig
 from tests.certs import Authority, Issued, issue, make_ca
 
 TIMEOUT = 30

@@ -1,4 +1,4 @@
-"""W3C trace context and OpenTelemetry spans (services/trace_context.py, services/tracing.py).
+"""W3C trace context and OpenTelemetry spans (services/telemetry/: trace_context, tracing).
 
 Spans are checked with the SDK's in-memory exporter on an in-process server (both
 services, with the status and drain interceptors in place); the OTLP/gRPC exporter is
@@ -30,12 +30,13 @@ from opentelemetry.trace import SpanKind, StatusCode
 from smg_grpc_proto.generated import vllm_engine_pb2 as worker_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
 
-from services import cli, cli_flags, log
+from services.cli import cli, cli_flags
 from services.gen.headrace.v1 import generation_pb2 as pb
-from services.log import LogConfig
-from services.trace_context import parse_traceparent
-from services.tracing import Tracing
-from services.tracing_config import TracingConfig, start_tracing
+from services.telemetry import log
+from services.telemetry.log import LogConfig
+from services.telemetry.trace_context import parse_traceparent
+from services.telemetry.tracing import Tracing
+from services.telemetry.tracing_config import TracingConfig, start_tracing
 from tests.conftest import RunningServer, fake_engine, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -285,8 +286,8 @@ def test_a_request_without_traceparent_starts_a_trace(traced) -> None:
 OFF_SCRIPT = """
 import json, sys
 import grpc
-from services import log
-from services.log import LogConfig
+from services.telemetry import log
+from services.telemetry.log import LogConfig
 from services.gen.headrace.v1 import generation_pb2 as pb
 from tests.conftest import fake_engine, running_server
 
@@ -342,7 +343,7 @@ def test_otlp_endpoint_flag_env_twin_and_standard_variables() -> None:
 
 
 def test_otlp_endpoint_without_opentelemetry_is_a_clear_error(monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "services.tracing", None)  # import fails
+    monkeypatch.setitem(sys.modules, "services.telemetry.tracing", None)  # import fails
     with pytest.raises(ValueError, match=r"headrace\[tracing\]"):
         start_tracing(TracingConfig(otlp_endpoint="http://127.0.0.1:4317"), {})
     # Only the standard variable: a warning, and the server runs untraced.

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from services.gen.headrace.v1 import generation_pb2 as pb
-from services.status import MALFORMED_MESSAGE
+from services.server.status import MALFORMED_MESSAGE
 
 TIMEOUT = 30
 GENERATE = "/headrace.v1.GenerationService/Generate"

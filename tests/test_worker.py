@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from services.pipeline import PipelineConfig
+from services.pipeline.pipeline import PipelineConfig
 from services.worker.convert import sampling_params
 from services.worker.servicer import SERVICE_NAME
 from services.worker.tokenizer_export import export_tokenizer
@@ -207,7 +207,7 @@ def test_rpcs_headrace_lacks_are_unimplemented_not_internal(served: RunningServe
 
 
 def test_vllm_metric_aliases_mirror_the_headrace_gauges() -> None:
-    from services.metrics import Metrics
+    from services.telemetry.metrics import Metrics
 
     metrics = Metrics()
     metrics.set_cache_config(16, 512)
@@ -223,7 +223,7 @@ def test_vllm_metric_aliases_mirror_the_headrace_gauges() -> None:
 
 @pytest.mark.slow
 def test_export_tokenizer_command_writes_what_the_gateway_loads(tmp_path: Path) -> None:
-    from services import cli
+    from services.cli import cli
     from services.worker.tokenizer_export import FILES
 
     assert cli.main(["export-tokenizer", str(tmp_path / "tok")]) == 0

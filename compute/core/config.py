@@ -1,7 +1,7 @@
 """Configuration records: one frozen dataclass per concern, validated once.
 
 CLI flags and HEADRACE_* environment variables map onto these in one place
-(services/cli_flags.py); nothing else reads the environment.
+(services/cli/cli_flags.py); nothing else reads the environment.
 """
 
 from __future__ import annotations

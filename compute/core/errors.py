@@ -1,20 +1,33 @@
 """``FieldError``: how every check in headrace reports a bad request value.
 
 The field is named by its domain name (``prompt``, ``max_tokens``, ``top_p``); each
-service maps it to the path of the field in its own request message, from ``field`` and
-``rule``, never by parsing the message.
+service maps it to the path of the field in its own request message (``at``), from
+``field`` and ``rule``, never by parsing the message. It is the one such error from the
+engine's checks to the status mapping (services/server/status.py: INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
 
-class FieldError(ValueError):
+class RequestError(Exception):
+    """A request failed; ``code`` is the gRPC status code's name (services/server/status.py)."""
+
+    code = "INTERNAL"
+
+
+class FieldError(RequestError, ValueError):
     """A value of ``field`` breaks ``rule``; the message is ``"<field>: <rule>"``."""
+
+    code = "INVALID_ARGUMENT"
 
     def __init__(self, field: str, rule: str) -> None:
         super().__init__(f"{field}: {rule}")
         self.field = field
         self.rule = rule
+
+    def at(self, field: str) -> FieldError:
+        """The same rule, with the field named as the caller's request spells it."""
+        return FieldError(field, self.rule)
 
 
 MAX_ECHO_CHARS = 64

@@ -21,7 +21,7 @@ from services.bench.flags import check_args
 from services.bench.runner import RequestRecord, RunSettings, run_workload
 from services.bench.scrape import MetricsSampler
 from services.bench.stats import summarize
-from services.client_security import ClientSecurity
+from services.client.client_security import ClientSecurity
 
 
 def default_metrics_url(target: str, tls: bool = False) -> str:
@@ -154,7 +154,7 @@ def _security(args: argparse.Namespace) -> ClientSecurity:
 def model_info(target: str, security: ClientSecurity | None = None) -> dict[str, Any]:
     from google.protobuf import json_format
 
-    from services.client import Client
+    from services.client.client import Client
 
     with Client(target, 30, security) as remote:
         info = remote.model_info()
@@ -188,7 +188,7 @@ _NO_TOKENIZER = (
 
 def tokenized_pool(target: str, security: ClientSecurity | None = None) -> list[int] | None:
     """The served model's own ids for a stock paragraph; None when it has no tokenizer."""
-    from services.client import Client
+    from services.client.client import Client
 
     try:
         with Client(target, 30, security) as remote:

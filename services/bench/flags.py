@@ -8,8 +8,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from services import client_security
 from services.bench.stats import parse_slos
+from services.client import client_security
 
 HELP = """Benchmark a headrace server the way `vllm bench serve` does: send a workload at a
 request rate (or all at once), stream every response, and report request and token

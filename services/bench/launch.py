@@ -33,7 +33,7 @@ def serve_command(serve_args: Sequence[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "services.cli",
+        "services.cli.cli",
         "serve",
         "--host",
         "127.0.0.1",

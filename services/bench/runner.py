@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.bench.workload import BenchRequest
-from services.client import CHANNEL_OPTIONS, generate_request
-from services.client_security import ClientSecurity
+from services.client.client import CHANNEL_OPTIONS, generate_request
+from services.client.client_security import ClientSecurity
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.client_security import ClientSecurity
+from services.client.client_security import ClientSecurity
 
 # Sample name in the exposition -> key in the result.
 SAMPLED = {

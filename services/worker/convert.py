@@ -3,7 +3,7 @@
 Sampling fields follow the protocol's own semantics: ``optional`` fields are unset
 when absent; plain proto3 scalars use 0 for "not set" exactly as vLLM's gRPC server
 reads them (top_p 0 -> 1.0, top_k 0 -> all, repetition_penalty 0 -> 1.0, n 0 -> 1).
-Anything headrace cannot do is refused with InvalidArgument naming the field
+Anything headrace cannot do is refused with FieldError naming the field
 (``sampling_params.min_tokens``), never dropped. skip_special_tokens and
 spaces_between_special_tokens only shape text, and the gateway detokenizes itself
 from the token ids this worker returns, so they do not change what is sent back.
@@ -15,8 +15,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from compute.core.errors import FieldError
 from compute.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from services.convert import MAX_REQUEST_ID_CHARS
-from services.domain import Chunk, Complete, GenerateInput, InvalidArgument
+from services.api.convert import MAX_REQUEST_ID_CHARS
+from services.pipeline.domain import Chunk, Complete, GenerateInput, prompt_form
 
 SP = "sampling_params"
 # Where the pipeline's domain field names live in a vLLM GenerateRequest.
@@ -27,18 +27,18 @@ _UNSUPPORTED_REQUEST = ("kv_transfer_params", "mm_inputs", "media_refs", "kv_tra
 
 
 def to_input(request: pb.GenerateRequest) -> GenerateInput:
-    """A validated GenerateInput; InvalidArgument names the offending request field."""
+    """A validated GenerateInput; FieldError names the offending request field."""
     if not request.request_id:
-        raise InvalidArgument("request_id", "must not be empty")
+        raise FieldError("request_id", "must not be empty")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+        raise FieldError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
     for name in _UNSUPPORTED_REQUEST:
         if request.HasField(name):
-            raise InvalidArgument(name, "not supported by headrace")
+            raise FieldError(name, "not supported by headrace")
     if request.extra_mm_inputs:
-        raise InvalidArgument("extra_mm_inputs", "not supported by headrace (text-only model)")
+        raise FieldError("extra_mm_inputs", "not supported by headrace (text-only model)")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
-        raise InvalidArgument("data_parallel_rank", "headrace runs one data-parallel rank (0)")
+        raise FieldError("data_parallel_rank", "headrace runs one data-parallel rank (0)")
     return GenerateInput(
         request_id=request.request_id, **_prompt(request), params=sampling_params(request)
     )
@@ -47,14 +47,13 @@ def to_input(request: pb.GenerateRequest) -> GenerateInput:
 def _prompt(request: pb.GenerateRequest) -> dict:
     kind = request.WhichOneof("input")
     if kind == "tokenized":
-        if not request.tokenized.input_ids:
-            raise InvalidArgument("tokenized.input_ids", "must not be empty")
-        return {"token_ids": tuple(request.tokenized.input_ids)}
-    if kind == "text":
-        if not request.text:
-            raise InvalidArgument("text", "must not be empty")
-        return {"prompt": request.text}
-    raise InvalidArgument("input", "set one of tokenized, text")
+        forms: dict = {"token_ids": tuple(request.tokenized.input_ids)}
+    elif kind == "text":
+        forms = {"prompt": request.text}
+    else:
+        raise FieldError("input", "set one of tokenized, text")
+    prompt_form(forms, _INPUT_PATHS)
+    return forms
 
 
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
@@ -79,7 +78,7 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     try:
         return SamplingParams(**fields)
     except FieldError as exc:
-        raise InvalidArgument(request_field(exc.field), exc.rule) from None
+        raise exc.at(request_field(exc.field)) from None
 
 
 def request_field(field: str) -> str:
@@ -92,26 +91,20 @@ def request_field(field: str) -> str:
 
 def _refuse_unsupported(sp: pb.SamplingParams) -> None:
     if sp.min_tokens:
-        raise InvalidArgument(f"{SP}.min_tokens", "not supported by headrace (must be 0)")
+        raise FieldError(f"{SP}.min_tokens", "not supported by headrace (must be 0)")
     if sp.n > 1:
-        raise InvalidArgument(
-            f"{SP}.n", "headrace returns one sample per request (n must be 0 or 1)"
-        )
+        raise FieldError(f"{SP}.n", "headrace returns one sample per request (n must be 0 or 1)")
     if sp.HasField("prompt_logprobs"):
-        raise InvalidArgument(f"{SP}.prompt_logprobs", "not supported by headrace")
+        raise FieldError(f"{SP}.prompt_logprobs", "not supported by headrace")
     if sp.logit_bias:
-        raise InvalidArgument(f"{SP}.logit_bias", "not supported by headrace")
+        raise FieldError(f"{SP}.logit_bias", "not supported by headrace")
     if sp.HasField("truncate_prompt_tokens"):
-        raise InvalidArgument(f"{SP}.truncate_prompt_tokens", "not supported by headrace")
+        raise FieldError(f"{SP}.truncate_prompt_tokens", "not supported by headrace")
     constraint = sp.WhichOneof("constraint")
     if constraint is not None:
-        raise InvalidArgument(
-            f"{SP}.{constraint}", "structured output is not supported by headrace"
-        )
+        raise FieldError(f"{SP}.{constraint}", "structured output is not supported by headrace")
     if sp.grammar_from_first_token:
-        raise InvalidArgument(
-            f"{SP}.grammar_from_first_token", "structured output is not supported"
-        )
+        raise FieldError(f"{SP}.grammar_from_first_token", "structured output is not supported")
 
 
 def _logprobs(sp: pb.SamplingParams) -> dict:
@@ -119,9 +112,7 @@ def _logprobs(sp: pb.SamplingParams) -> dict:
     if not sp.HasField("logprobs"):
         return {}
     if not 0 <= sp.logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidArgument(
-            f"{SP}.logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] (-1 = all is not)"
-        )
+        raise FieldError(f"{SP}.logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] (-1 = all is not)")
     return {"logprobs": True, "top_logprobs": sp.logprobs}
 
 

@@ -21,16 +21,17 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
+from compute.core.errors import FieldError
 from kernels.log import get_logger
-from services.domain import Chunk, Complete, GenerateInput, InvalidArgument, RequestError
-from services.servicer import log_complete
-from services.trace_context import LogTracer
+from services.pipeline.calls import counting_rejection, logged
+from services.pipeline.domain import Chunk, Complete, GenerateInput, RequestError
+from services.telemetry.metrics import NO_METRICS, Metrics
+from services.telemetry.trace_context import LogTracer
 from services.worker import convert
 
 if TYPE_CHECKING:
-    from services.metrics import Metrics
-    from services.pipeline import Pipeline
-    from services.trace_context import RequestTrace, RequestTracer
+    from services.pipeline.pipeline import Pipeline
+    from services.telemetry.trace_context import RequestTrace, RequestTracer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # RPCs of the protocol headrace has no counterpart for; gateways treat UNIMPLEMENTED as
@@ -54,7 +55,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         pipeline: Pipeline,
         tokenizer_path: str,
         serving: Callable[[], bool] = lambda: True,
-        metrics: Metrics | None = None,
+        metrics: Metrics = NO_METRICS,
         tracer: RequestTracer | None = None,  # None: the caller's trace ids in the logs only
     ) -> None:
         self._pipeline = pipeline
@@ -78,23 +79,14 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
             try:
                 async for response in self._responses(inp, request.stream, aborted, trace):
                     yield response
-            except RequestError as exc:
-                log.info("request failed", request_id=inp.request_id, code=exc.code, error=str(exc))
-                if isinstance(exc, InvalidArgument):  # the pipeline names domain fields
-                    raise exc.at(convert.request_field(exc.field)) from None
-                raise
             finally:
                 del self._aborts[inp.request_id]
 
     def _checked_input(self, request: pb.GenerateRequest) -> GenerateInput:
-        try:
+        with counting_rejection(self._metrics):
             inp = convert.to_input(request)
-        except RequestError:
-            if self._metrics is not None:
-                self._metrics.observe_rejected("invalid_argument")
-            raise
         if inp.request_id in self._aborts:
-            raise InvalidArgument("request_id", f"{inp.request_id!r} is already in flight")
+            raise FieldError("request_id", f"{inp.request_id!r} is already in flight")
         return inp
 
     async def _responses(
@@ -104,9 +96,12 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         sent: list[int] = []  # streamed: all tokens so far; unary: held for the Complete
         logprobs: list = []
         # Inner aclosing first: it stops reading ``events`` before the outer one closes it.
+        # The pipeline names domain fields; logged names them by this protocol's paths.
         async with (
             contextlib.aclosing(self._pipeline.generate(inp)) as events,
-            contextlib.aclosing(_until(trace.watch(events), aborted)) as guarded,
+            contextlib.aclosing(
+                _until(logged(inp.request_id, trace.watch(events), convert.request_field), aborted)
+            ) as guarded,
         ):
             async for event in guarded:
                 if event is None:  # Abort(request_ids) named this request
@@ -120,7 +115,6 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
                     else:
                         logprobs.extend(event.logprobs)
                 elif isinstance(event, Complete):
-                    log_complete(inp.request_id, event)
                     yield convert.complete_to_pb(event, [] if stream else sent, logprobs)
 
     async def Abort(
@@ -175,7 +169,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetLoadsResponse:
         if request.HasField("dp_rank") and request.dp_rank != 0:
-            raise InvalidArgument("dp_rank", "headrace runs one data-parallel rank (0)")
+            raise FieldError("dp_rank", "headrace runs one data-parallel rank (0)")
         stats = self._pipeline.engine_stats()
         load = pb.SchedulerLoad(
             dp_rank=0,
@@ -192,27 +186,23 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         )
 
 
-def _unary_unimplemented(name: str):
-    async def method(self, request, context):
+def _unimplemented(name: str, stream: bool):
+    async def unary(self, request, context):
         raise Unimplemented(f"{name} is not implemented by headrace")
 
-    return method
-
-
-def _stream_unimplemented(name: str):
-    async def method(self, request, context):
+    async def streaming(self, request, context):
         raise Unimplemented(f"{name} is not implemented by headrace")
         yield  # an async generator, as grpc expects of a server-streaming handler
 
-    return method
+    return streaming if stream else unary
 
 
 # The generated base class answers these with NotImplementedError, which the status
 # mapping would log as an internal error on every gateway poll.
 for _name in UNARY_UNIMPLEMENTED:
-    setattr(WorkerServicer, _name, _unary_unimplemented(_name))
+    setattr(WorkerServicer, _name, _unimplemented(_name, stream=False))
 for _name in STREAM_UNIMPLEMENTED:
-    setattr(WorkerServicer, _name, _stream_unimplemented(_name))
+    setattr(WorkerServicer, _name, _unimplemented(_name, stream=True))
 
 
 async def _until(events: AsyncIterator, aborted: asyncio.Event) -> AsyncIterator:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from services.auth_tokens import read_tokens
+from services.security.auth_tokens import read_tokens
 
 TOKEN_ENV = "HEADRACE_AUTH_TOKEN"
 _ENV = "HEADRACE_CLIENT_"

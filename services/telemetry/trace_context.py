@@ -7,7 +7,7 @@ events through ``trace.watch(events)``. Two tracers implement that:
   carries a valid ``traceparent`` it binds the caller's ``trace_id`` and ``parent_span_id``
   to the request's log lines (structlog contextvars); ``watch`` hands the events back
   untouched, so a request pays one scan of its metadata and nothing per token.
-- ``services.tracing.SpanTracer`` (``--otlp-endpoint``): a span per request, phase spans,
+- ``services.telemetry.tracing.SpanTracer`` (``--otlp-endpoint``): a span per request, phase spans,
   and ``trace_id``/``span_id`` of that span in the log lines.
 
 An invalid ``traceparent`` is ignored, as the W3C spec says (a new trace starts).

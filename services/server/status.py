@@ -22,12 +22,9 @@ from typing import Any
 import grpc
 
 from kernels.log import get_logger
-from services.domain import RequestError
+from services.pipeline.domain import RequestError
+from services.server import methods
 
-SERVICE_PREFIX = "/headrace.v1.GenerationService/"
-# The vLLM worker protocol (services/worker) gets the same status mapping.
-WORKER_PREFIX = "/vllm.grpc.engine.VllmEngine/"
-MAPPED_PREFIXES = (SERVICE_PREFIX, WORKER_PREFIX)
 MALFORMED_MESSAGE = (
     "request: the message could not be parsed (truncated or corrupt bytes, or a string "
     "field that is not valid UTF-8)"
@@ -176,6 +173,6 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         handler = reject_malformed(handler)
-        if not details.method.startswith(MAPPED_PREFIXES):
+        if not methods.mapped(details.method):
             return handler  # health and reflection report their own statuses
         return wrap_handler(handler, lambda context: mapped_errors(context, details.method))

@@ -1,7 +1,7 @@
 """Token auth for the gRPC server: the outermost interceptor, so nothing runs before it.
 
 A call must carry ``authorization: Bearer <token>`` metadata with a token from
-``--auth-token-file`` (services/auth_tokens.py); otherwise it ends UNAUTHENTICATED
+``--auth-token-file`` (services/security/auth_tokens.py); otherwise it ends UNAUTHENTICATED
 with a plain message, before any other interceptor, handler or request parser runs
 (the refusal never reads the request). grpc.health.v1 is always open (probes and
 load balancers carry no token); reflection is open only with ``--no-auth-reflection``.
@@ -11,30 +11,22 @@ Everything else -- headrace.v1 and the vLLM worker protocol -- needs the token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from kernels.log import get_logger
-from services.auth_tokens import TokenFile
-from services.status import Continuation
+from services.security.auth_tokens import TokenFile
+from services.server import methods
+from services.server.status import Continuation
+from services.telemetry.metrics import NO_METRICS, Metrics
 
-if TYPE_CHECKING:
-    from services.metrics import Metrics
-
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
-REFLECTION_PREFIX = "/grpc.reflection."  # v1alpha and v1
 SCHEME = "bearer"
 MISSING = "missing credentials: send metadata 'authorization: Bearer <token>'"
 MALFORMED = "authorization metadata must be 'Bearer <token>'"
 INVALID = "invalid token"
 
 log = get_logger(__name__)
-
-
-def open_prefixes(auth_reflection: bool) -> tuple[str, ...]:
-    """Method prefixes answered without a token."""
-    return (HEALTH_PREFIX,) if auth_reflection else (HEALTH_PREFIX, REFLECTION_PREFIX)
 
 
 def bearer_token(value: str) -> str | None:
@@ -73,21 +65,20 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for calls without an accepted bearer token (open methods excepted)."""
 
     def __init__(
-        self, tokens: TokenFile, open_methods: tuple[str, ...], metrics: Metrics | None = None
+        self, tokens: TokenFile, auth_reflection: bool, metrics: Metrics = NO_METRICS
     ) -> None:
         self._tokens = tokens
-        self._open = open_methods
+        self._auth_reflection = auth_reflection
         self._metrics = metrics
 
     async def intercept_service(
         self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
-        if details.method.startswith(self._open):
+        if not methods.needs_token(details.method, self._auth_reflection):
             return await continuation(details)
         reason = refusal(details.invocation_metadata, self._tokens)
         if reason is None:
             return await continuation(details)
-        if self._metrics is not None:
-            self._metrics.observe_rejected("unauthenticated")
+        self._metrics.observe_rejected("unauthenticated")
         log.debug("call refused", method=details.method[:128], reason=reason)
         return _refuse(reason)

@@ -22,24 +22,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from compute.core.errors import FieldError
 from compute.core.messages import Abort, AddRequest, EngineStats, Shutdown
 from compute.step_loop import Inbound, StepLoop, run_step_loop
 from kernels.log import get_logger
-from services.domain import (
+from services.pipeline.domain import (
     ChatMessage,
     Chunk,
     Complete,
     GenerateInput,
-    InvalidArgument,
     ModelInfo,
     RequestError,
     ResourceExhausted,
     Unavailable,
 )
-from services.metrics import Metrics
-from services.output_stage import OutputStage
-from services.request_state import RequestStream
-from services.tokenize_stage import TokenizeStage
+from services.pipeline.output_stage import OutputStage
+from services.pipeline.request_state import RequestStream
+from services.pipeline.tokenize_stage import TokenizeStage
+from services.telemetry.metrics import NO_METRICS, Metrics
 
 if TYPE_CHECKING:  # the engine module pulls in torch and the model
     from compute.engine import Engine
@@ -109,7 +109,7 @@ class Pipeline:
         self,
         engine: Engine,
         config: PipelineConfig = PipelineConfig(),
-        metrics: Metrics | None = None,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -125,8 +125,7 @@ class Pipeline:
         self._ids = itertools.count()
         self._threads: list[threading.Thread] = []
         self._state = "new"  # -> "running" -> "stopped"
-        if metrics is not None:
-            metrics.bind_step_loop_idle_ratio(self.step_loop_idle_fraction)
+        metrics.bind_step_loop_idle_ratio(self.step_loop_idle_fraction)
 
     def start(self) -> None:
         if self._state != "new":
@@ -233,7 +232,7 @@ class Pipeline:
     async def _prepare(self, inp: GenerateInput, request_id: str, arrival: float) -> AddRequest:
         try:
             return await self._stage1.prepare(inp, request_id, arrival)
-        except InvalidArgument:
+        except FieldError:
             self._reject("invalid_argument")
             raise
         except RuntimeError as exc:
@@ -255,8 +254,7 @@ class Pipeline:
         if not self._stage3.release(request_id):
             return  # it had ended already (its last event was left unread)
         self._inbox.put(Abort(request_id, "cancelled"))
-        if self._metrics is not None:
-            self._metrics.observe_finished("abort")
+        self._metrics.observe_finished("abort")
         log.info("request cancelled", request_id=request_id)
 
     def _abort(self, request_id: str) -> None:
@@ -264,5 +262,4 @@ class Pipeline:
         self._inbox.put(Abort(request_id, "stop_string"))
 
     def _reject(self, reason: str) -> None:
-        if self._metrics is not None:
-            self._metrics.observe_rejected(reason)
+        self._metrics.observe_rejected(reason)

@@ -4,7 +4,7 @@ The prompt's own form (exactly one of prompt, token_ids, chat; roles the chat te
 knows), the chat template and tokenization run on a small thread pool so the asyncio loop
 and the step loop never wait for them; then ``check_request`` (compute/core/checks.py,
 the same rules the engine's admission runs) checks the ids against the vocabulary, the
-context and the KV cache. A bad request fails here with ``InvalidArgument`` naming the
+context and the KV cache. A bad request fails here with ``FieldError`` naming the
 field, before anything reaches the engine.
 """
 
@@ -21,7 +21,7 @@ from compute.core.checks import RequestLimits, check_request
 from compute.core.errors import FieldError, capped
 from compute.core.messages import AddRequest
 from compute.tokenizer import Tokenizer
-from services.domain import ChatMessage, GenerateInput, InvalidArgument
+from services.pipeline.domain import ChatMessage, GenerateInput, prompt_form
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ class TokenizeStage:
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="headrace-tokenize")
 
     async def prepare(self, inp: GenerateInput, request_id: str, arrival: float) -> AddRequest:
-        """The engine-ready request; InvalidArgument(field=...) for bad input."""
+        """The engine-ready request; FieldError(field=...) for bad input."""
         return await self._in_pool(self.build_request, inp, request_id, arrival)
 
     async def tokenize(
@@ -62,33 +62,23 @@ class TokenizeStage:
     def build_request(self, inp: GenerateInput, request_id: str, arrival: float) -> AddRequest:
         field, ids = self._prompt_ids(inp)
         if inp.params.stop and self._tokenizer is None:
-            raise InvalidArgument("stop", "stop strings need a model with a tokenizer")
-        try:
-            params = check_request(ids, inp.params, self._limits, field)
-        except FieldError as exc:
-            raise InvalidArgument(exc.field, exc.rule) from None
+            raise FieldError("stop", "stop strings need a model with a tokenizer")
+        params = check_request(ids, inp.params, self._limits, field)
         return AddRequest(request_id, tuple(ids), params, inp.priority, arrival)
 
     def tokenize_now(
         self, prompt: str | None, chat: tuple[ChatMessage, ...] | None, add_generation_prompt: bool
     ) -> tuple[list[int], list[str]]:
-        if (prompt is None) == (chat is None):
-            raise InvalidArgument("prompt", "exactly one of prompt and chat must be set")
-        if chat is not None:
+        if prompt_form({"prompt": prompt, "chat": chat}) == "chat":
             ids = self._chat_ids(chat, add_generation_prompt)
         else:
-            ids = self._encode_fitting("prompt", prompt) if prompt else []
+            ids = self._encode_fitting("prompt", prompt)
         tokenizer = self._require_tokenizer("prompt")
         return ids, [tokenizer.id_to_token(i) for i in ids]
 
     def _prompt_ids(self, inp: GenerateInput) -> tuple[str, list[int]]:
         """(name of the field the prompt came in, its token ids)."""
-        forms = [f for f in ("prompt", "token_ids", "chat") if getattr(inp, f) is not None]
-        if len(forms) != 1:
-            raise InvalidArgument("prompt", "exactly one of prompt, token_ids and chat must be set")
-        field = forms[0]
-        if not getattr(inp, field):
-            raise InvalidArgument(field, "must not be empty")
+        field = prompt_form(vars(inp))
         if field == "token_ids":
             return field, list(inp.token_ids)
         if field == "chat":
@@ -96,12 +86,12 @@ class TokenizeStage:
         return field, self._encode_fitting(field, inp.prompt)
 
     def _encode_fitting(self, field: str, text: str) -> list[int]:
-        """Token ids of ``text``; InvalidArgument at once, without tokenizing, when the text
+        """Token ids of ``text``; FieldError at once, without tokenizing, when the text
         is too long to leave room for output in the context whatever its tokens are."""
         tokenizer = self._require_tokenizer(field)
         at_least, limit = tokenizer.min_tokens(text), self._limits.max_model_len
         if at_least >= limit:
-            raise InvalidArgument(
+            raise FieldError(
                 field,
                 f"prompt of at least {at_least} tokens ({len(text)} characters) leaves no room "
                 f"for output within max_model_len {limit}",
@@ -110,12 +100,10 @@ class TokenizeStage:
 
     def _chat_ids(self, chat: tuple[ChatMessage, ...], add_generation_prompt: bool) -> list[int]:
         tokenizer = self._require_tokenizer("chat")
-        if not chat:
-            raise InvalidArgument("chat", "must not be empty")
         for i, message in enumerate(chat):
             if message.role not in tokenizer.chat_roles:
                 roles = ", ".join(sorted(tokenizer.chat_roles))
-                raise InvalidArgument(
+                raise FieldError(
                     f"chat.messages[{i}].role",
                     f"must be one of {roles} (got {capped(message.role)})",
                 )
@@ -123,10 +111,10 @@ class TokenizeStage:
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt)
         except (jinja2.TemplateError, ValueError) as exc:  # e.g. the template's own checks
-            raise InvalidArgument("chat", capped(str(exc), quote=False)) from exc
+            raise FieldError("chat", capped(str(exc), quote=False)) from exc
         return self._encode_fitting("chat", text)
 
     def _require_tokenizer(self, field: str) -> Tokenizer:
         if self._tokenizer is None:
-            raise InvalidArgument(field, "this model has no tokenizer; send token_ids")
+            raise FieldError(field, "this model has no tokenizer; send token_ids")
         return self._tokenizer

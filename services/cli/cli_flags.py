@@ -3,7 +3,7 @@
 ``FLAGS`` is the one table mapping both onto the frozen config dataclasses
 (precedence: flag, then environment, then the dataclass default); ``add_flags`` puts
 a subset on an argparse parser and ``build_configs`` turns the parsed flags back
-into the configs. services/cli.py wires the parsers and runs the subcommands.
+into the configs. services/cli/cli.py wires the parsers and runs the subcommands.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from compute.core.config import (
     EngineConfig,
     SchedulerConfig,
 )
-from services.connection_config import ConnectionConfig
-from services.input_limits import InputLimits
-from services.log import FORMATS, LEVELS, LogConfig
-from services.pipeline import PipelineConfig
-from services.security_config import SecurityConfig
-from services.server_config import ServerConfig
-from services.tracing_config import TracingConfig
+from services.pipeline.input_limits import InputLimits
+from services.pipeline.pipeline import PipelineConfig
+from services.security.security_config import SecurityConfig
+from services.server.connection_config import ConnectionConfig
+from services.server.server_config import ServerConfig
+from services.telemetry.log import FORMATS, LEVELS, LogConfig
+from services.telemetry.tracing_config import TracingConfig
 
 ENV_PREFIX = "HEADRACE_"
 

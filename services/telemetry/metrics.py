@@ -38,6 +38,8 @@ _CUMULATIVE = {
 class Metrics:
     """Every headrace_* metric; thread-safe (prometheus_client locks internally)."""
 
+    enabled = True  # NoMetrics (below) is the sink when they are off
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._add_engine_metrics(self.registry)
@@ -230,3 +232,20 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _dropped(self: Metrics, *args: object, **kwargs: object) -> None:
+    """An observation nobody records."""
+
+
+class NoMetrics(Metrics):
+    """The sink when metrics are off: it takes every observation and records none, so
+    callers never ask whether metrics are on. It has no registry to serve."""
+
+    enabled = False
+    __init__ = set_cache_config = observe_step = observe_engine_stats = _dropped
+    observe_first_token = observe_decode = observe_inter_token = _dropped
+    observe_finished = observe_rejected = bind_step_loop_idle_ratio = _dropped
+
+
+NO_METRICS = NoMetrics()

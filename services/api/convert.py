@@ -1,11 +1,11 @@
 """Protobuf <-> domain records for the GenerationService (the servicer's two halves).
 
-``to_input`` checks what only the wire shape can tell (a missing input, an empty
-prompt or chat) and builds ``SamplingParams``, whose own rules name a domain field;
-``InvalidArgument`` then names the field by its path in the request. Checks that need
-the model (chat roles, prompt length, vocabulary) run in the pipeline; its field names
-are mapped to request paths by ``request_field``. Finish reasons become protobuf here
-and only here.
+``to_input`` checks what only the wire shape can tell (a missing input; an empty prompt
+or chat, by domain.prompt_form) and builds ``SamplingParams``, whose own rules name a
+domain field; ``FieldError`` then names the field by its path in the request. Checks
+that need the model (chat roles, prompt length, vocabulary) run in the pipeline; its
+field names are mapped to request paths by ``request_field``. Finish reasons become
+protobuf here and only here.
 """
 
 from __future__ import annotations
@@ -13,41 +13,33 @@ from __future__ import annotations
 from compute.core.errors import FieldError
 from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams
-from services.domain import (
+from services.gen.headrace.v1 import generation_pb2 as pb
+from services.pipeline.domain import (
     ChatMessage,
     Chunk,
     Complete,
     GenerateInput,
-    InvalidArgument,
     ModelInfo,
+    prompt_form,
 )
-from services.gen.headrace.v1 import generation_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 128
 # The optional fields of SamplingParams / StoppingCriteria that map 1:1 onto SamplingParams.
 _SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-)
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed",
+)  # fmt: skip
 _STOPPING_FIELDS = (
-    "max_tokens",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str_in_output",
-)
+    "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+)  # fmt: skip
 # Where each domain field (SamplingParams, GenerateInput) lives in a GenerateRequest.
 _FIELD_PATHS = {
     "token_ids": "token_ids.ids",
     **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
     **{name: f"stopping.{name}" for name in _STOPPING_FIELDS},
 }
+# Where each prompt form's content sits in the request (for "must not be empty").
+_FORM_PATHS = {"prompt": "prompt", "token_ids": "token_ids.ids", "chat": "chat.messages"}
 _FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -60,15 +52,10 @@ def request_field(field: str) -> str:
     return _FIELD_PATHS.get(head, head) + dot + rest
 
 
-def renamed(exc: InvalidArgument) -> InvalidArgument:
-    """The pipeline's InvalidArgument with its field named by its request path."""
-    return exc.at(request_field(exc.field))
-
-
 def to_input(request: pb.GenerateRequest, request_id: str) -> GenerateInput:
-    """A validated GenerateInput; InvalidArgument names the offending request field."""
+    """A validated GenerateInput; FieldError names the offending request field."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+        raise FieldError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
     return GenerateInput(
         request_id=request_id,
         **_prompt(request),
@@ -81,30 +68,18 @@ def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> dict:
     kind = request.WhichOneof("input")
     if kind is None:
         names = ", ".join(f.name for f in request.DESCRIPTOR.oneofs_by_name["input"].fields)
-        raise InvalidArgument("input", f"one of {names} is required")
+        raise FieldError("input", f"one of {names} is required")
     if kind == "prompt":
-        if not request.prompt:
-            raise InvalidArgument("prompt", "must not be empty")
-        return {"prompt": request.prompt}
-    if kind == "token_ids":
-        if not request.token_ids.ids:
-            raise InvalidArgument("token_ids.ids", "must not be empty")
-        return {"token_ids": tuple(request.token_ids.ids)}
-    return {
-        "chat": chat_messages(request.chat),
-        "add_generation_prompt": (
-            request.chat.add_generation_prompt
-            if request.chat.HasField("add_generation_prompt")
-            else True
-        ),
-    }
-
-
-def chat_messages(chat: pb.Chat) -> tuple[ChatMessage, ...]:
-    """The messages; which roles are allowed is the chat template's business (stage 1)."""
-    if not chat.messages:
-        raise InvalidArgument("chat.messages", "must not be empty")
-    return tuple(ChatMessage(role=m.role, content=m.content) for m in chat.messages)
+        forms: dict = {"prompt": request.prompt}
+    elif kind == "token_ids":
+        forms = {"token_ids": tuple(request.token_ids.ids)}
+    else:  # which roles are allowed is the chat template's business (stage 1)
+        chat = request.chat
+        forms = {"chat": tuple(ChatMessage(role=m.role, content=m.content) for m in chat.messages)}
+        if chat.HasField("add_generation_prompt"):
+            forms["add_generation_prompt"] = chat.add_generation_prompt
+    prompt_form(forms, _FORM_PATHS)
+    return forms
 
 
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
@@ -128,7 +103,7 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
             top_logprobs=request.top_logprobs,
         )
     except FieldError as exc:
-        raise InvalidArgument(request_field(exc.field), exc.rule) from None
+        raise exc.at(request_field(exc.field)) from None
 
 
 def chunk_to_pb(chunk: Chunk) -> pb.Chunk:
@@ -187,12 +162,7 @@ def event_fields(event: Chunk | Complete) -> dict:
 
 def tokenize_args(request: pb.TokenizeRequest) -> dict:
     """Keyword arguments of Pipeline.tokenize for a TokenizeRequest."""
-    prompt = _prompt(request)
-    return {
-        "prompt": prompt.get("prompt"),
-        "chat": prompt.get("chat"),
-        "add_generation_prompt": prompt.get("add_generation_prompt", True),
-    }
+    return {"prompt": None, "chat": None, **_prompt(request)}
 
 
 def model_info_to_pb(info: ModelInfo) -> pb.GetModelInfoResponse:

@@ -5,15 +5,15 @@ lengths), so a check costs microseconds whatever the input holds: a 15 MiB promp
 refused before a tokenizer thread spends seconds and gigabytes on it. The model's own
 limits (context length, KV cache) are checked later, on token ids; stage 1 also stops
 early on a prompt that cannot fit (``Tokenizer.min_tokens``). Every limit is a flag
-(services/cli_flags.py) and is listed in docs/configuration.md, generated from them.
+(services/cli/cli_flags.py) and is listed in docs/configuration.md, generated from them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from compute.core.errors import FieldError
 from compute.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from services.domain import InvalidArgument
 
 MIB = 1024 * 1024
 
@@ -39,10 +39,10 @@ class InputLimits:
 
 
 def check_request_size(request, limits: InputLimits) -> None:
-    """InvalidArgument if the whole message is over ``max_request_bytes``."""
+    """FieldError if the whole message is over ``max_request_bytes``."""
     size = request.ByteSize()
     if size > limits.max_request_bytes:
-        raise InvalidArgument("request", f"at most {limits.max_request_bytes} bytes (got {size})")
+        raise FieldError("request", f"at most {limits.max_request_bytes} bytes (got {size})")
 
 
 def check_input(request, limits: InputLimits) -> None:
@@ -69,4 +69,4 @@ def _utf8_bytes(text: str) -> int:
 
 def _at_most(field: str, value: int, limit: int, unit: str) -> None:
     if value > limit:
-        raise InvalidArgument(field, f"at most {limit} {unit} (got {value})")
+        raise FieldError(field, f"at most {limit} {unit} (got {value})")

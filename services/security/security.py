@@ -1,4 +1,4 @@
-"""The server's security wiring: what services/server.py asks of TLS and token auth.
+"""The server's security wiring: what services/server/server.py asks of TLS and token auth.
 
 ``ServerSecurity`` turns a SecurityConfig into the live objects (the reloading
 certificate files and token file), the interceptor that goes first, the listening
@@ -11,18 +11,15 @@ from __future__ import annotations
 import ipaddress
 import ssl
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import grpc
 
 from kernels.log import get_logger
-from services.auth import AuthInterceptor, bearer_token, open_prefixes
-from services.auth_tokens import TokenFile
-from services.security_config import SecurityConfig
-from services.tls import CertificateFiles
-
-if TYPE_CHECKING:
-    from services.metrics import Metrics
+from services.security.auth import AuthInterceptor, bearer_token
+from services.security.auth_tokens import TokenFile
+from services.security.security_config import SecurityConfig
+from services.security.tls import CertificateFiles
+from services.telemetry.metrics import NO_METRICS, Metrics
 
 log = get_logger(__name__)
 
@@ -49,11 +46,11 @@ class ServerSecurity:
             else None
         )
 
-    def interceptors(self, metrics: Metrics | None = None) -> list[grpc.aio.ServerInterceptor]:
+    def interceptors(self, metrics: Metrics = NO_METRICS) -> list[grpc.aio.ServerInterceptor]:
         """The auth interceptor (to go first, outermost), or none without auth."""
         if self.tokens is None:
             return []
-        return [AuthInterceptor(self.tokens, open_prefixes(self.config.auth_reflection), metrics)]
+        return [AuthInterceptor(self.tokens, self.config.auth_reflection, metrics)]
 
     def bind(self, server: grpc.aio.Server, address: str) -> int:
         """Listen on ``address`` with TLS when configured; the bound port."""

@@ -4,7 +4,7 @@ Off by default. On when ``--otlp-endpoint`` (HEADRACE_OTLP_ENDPOINT) is set, or 
 standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT variables are
 (as an OpenTelemetry operator injects them); the flag wins. OTEL_SERVICE_NAME and
 OTEL_RESOURCE_ATTRIBUTES name the service (default ``headrace``). OpenTelemetry itself
-is imported only once tracing is on (services/tracing.py, the ``tracing`` extra).
+is imported only once tracing is on (services/telemetry/tracing.py, the ``tracing`` extra).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kernels.log import get_logger
 
 if TYPE_CHECKING:
-    from services.tracing import Tracing
+    from services.telemetry.tracing import Tracing
 
 STANDARD_ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 EXTRA_HINT = "pip install 'headrace[tracing]'"
@@ -55,7 +55,7 @@ def start_tracing(
     if not config.enabled(environ):
         return None
     try:
-        from services.tracing import Tracing
+        from services.telemetry.tracing import Tracing
     except ImportError as exc:
         if config.otlp_endpoint:
             raise ValueError(f"--otlp-endpoint needs OpenTelemetry: {EXTRA_HINT}") from exc

@@ -1,7 +1,7 @@
 """The gRPC server: GenerationService, health, reflection, /metrics + /health, drain.
 
-TLS, mutual TLS and token auth come from services/security.py; connection limits and
-keepalive from services/connection_config.py (both through ServerConfig).
+TLS, mutual TLS and token auth come from services/security/security.py; connection limits and
+keepalive from services/server/connection_config.py (both through ServerConfig).
 
 ``Server`` wires a started pipeline into a grpc.aio server. On SIGTERM or
 SIGINT, ``serve`` drains: health turns NOT_SERVING, new GenerationService calls
@@ -31,34 +31,26 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
 
 from kernels.log import get_logger
-from services.domain import Unavailable
+from services.api.servicer import GenerationServicer
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
-from services.http_endpoint import start_http
-from services.security import ServerSecurity
-from services.server_config import ServerConfig
-from services.servicer import GenerationServicer
-from services.status import (
-    SERVICE_PREFIX,
-    WORKER_PREFIX,
-    Continuation,
-    StatusInterceptor,
-    wrap_handler,
-)
+from services.pipeline.domain import Unavailable
+from services.security.security import ServerSecurity
+from services.server import methods
+from services.server.http_endpoint import start_http
+from services.server.server_config import ServerConfig
+from services.server.status import Continuation, StatusInterceptor, wrap_handler
+from services.telemetry.metrics import NO_METRICS, Metrics
 from services.worker.servicer import SERVICE_NAME as WORKER_SERVICE_NAME
 from services.worker.servicer import WorkerServicer
 
 if TYPE_CHECKING:
     from compute.core.config import EngineConfig
-    from services.metrics import Metrics
-    from services.pipeline import Pipeline, PipelineConfig
-    from services.tracing import Tracing
-    from services.tracing_config import TracingConfig
+    from services.pipeline.pipeline import Pipeline, PipelineConfig
+    from services.telemetry.tracing import Tracing
+    from services.telemetry.tracing_config import TracingConfig
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
-# Calls the drain gate counts and refuses while draining: every generation, never Abort,
-# health or the worker protocol's info calls (a gateway keeps polling a draining worker).
-GATED_PREFIXES = (SERVICE_PREFIX, WORKER_PREFIX + "Generate")
 
 log = get_logger(__name__)
 
@@ -68,7 +60,7 @@ PIPELINE_CHECK_S = 0.25  # how often the server looks for a dead pipeline stage
 class DrainGate(grpc.aio.ServerInterceptor):
     """Counts GenerationService calls in flight; refuses new ones once draining."""
 
-    def __init__(self, metrics: Metrics | None = None) -> None:
+    def __init__(self, metrics: Metrics = NO_METRICS) -> None:
         self.draining = False
         self._metrics = metrics
         self.in_flight = 0
@@ -79,15 +71,14 @@ class DrainGate(grpc.aio.ServerInterceptor):
         self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        if not details.method.startswith(GATED_PREFIXES):
+        if not methods.gated(details.method):
             return handler  # health, reflection and Abort keep answering while draining
         return wrap_handler(handler, self._admit)
 
     @contextlib.asynccontextmanager
     async def _admit(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         if self.draining:
-            if self._metrics is not None:
-                self._metrics.observe_rejected("draining")
+            self._metrics.observe_rejected("draining")
             raise Unavailable("server is draining")
         self.in_flight += 1
         self._idle.clear()
@@ -114,7 +105,7 @@ class Server:
         self,
         pipeline: Pipeline,
         config: ServerConfig | None = None,
-        metrics: Metrics | None = None,
+        metrics: Metrics = NO_METRICS,
         tokenizer_path: str = "",  # what the worker protocol's GetModelInfo reports
         tracing: Tracing | None = None,  # OpenTelemetry spans; None = off
     ) -> None:
@@ -174,7 +165,7 @@ class Server:
         self._security.log_posture(self.config.host)
 
     def _start_metrics(self) -> None:
-        if self._metrics is None or self.config.metrics_port < 0:
+        if not self._metrics.enabled or self.config.metrics_port < 0:
             return
         self._http = start_http(
             self.config.host,
@@ -236,7 +227,7 @@ class Server:
 async def serve(
     pipeline: Pipeline,
     config: ServerConfig,
-    metrics: Metrics | None = None,
+    metrics: Metrics = NO_METRICS,
     on_ready: Callable[[Server], None] | None = None,
     tokenizer_path: str = "",
     tracing: Tracing | None = None,
@@ -276,9 +267,9 @@ def run(
 
     Returns the exit status: 0 after a signal, 1 when a pipeline stage died."""
     from compute.engine import Engine
-    from services.metrics import Metrics
-    from services.pipeline import Pipeline
-    from services.tracing_config import TracingConfig, start_tracing
+    from services.pipeline.pipeline import Pipeline
+    from services.telemetry.metrics import Metrics
+    from services.telemetry.tracing_config import TracingConfig, start_tracing
 
     tracing = start_tracing(tracing_config or TracingConfig())  # before the slow model load
     metrics = Metrics()

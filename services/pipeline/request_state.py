@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from compute.core.messages import AddRequest, FinishReason, RequestOutput
 from compute.tokenizer import Tokenizer
-from services.detokenizer import IncrementalDetokenizer, NullDetokenizer
-from services.domain import Chunk, Complete, EngineFault, RequestError, Timing, Usage
-from services.stop_strings import StopStringMatcher
+from services.pipeline.detokenizer import IncrementalDetokenizer, NullDetokenizer
+from services.pipeline.domain import Chunk, Complete, EngineFault, RequestError, Timing, Usage
+from services.pipeline.stop_strings import StopStringMatcher
 
 Event = Chunk | Complete | RequestError
 

@@ -5,7 +5,7 @@ load balancers without gRPC health checks (HAProxy's ``option httpchk``, open-so
 nginx, cloud L7 checks) stop sending a draining replica new streams. Every other path
 serves the metrics, as prometheus_client's own server does.
 
-With TLS on (services/tls.py), the port speaks HTTPS with the gRPC port's certificate
+With TLS on (services/security/tls.py), the port speaks HTTPS with the gRPC port's certificate
 (reloaded with it) and asks for no client certificate, so probes and scrapers that
 cannot present one still work. With ``--auth-metrics`` the metrics need the bearer
 token; ``/health`` never does.

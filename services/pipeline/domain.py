@@ -2,13 +2,16 @@
 
 The servicer converts protobuf -> these records, calls the pipeline, and
 converts the events it yields back to protobuf. Errors travel as
-``RequestError`` subclasses, mapped to status codes in one place.
+``RequestError`` subclasses (a bad field: compute.core.errors.FieldError), mapped to
+status codes in one place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from compute.core.errors import FieldError, RequestError
 from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams
 
@@ -30,6 +33,21 @@ class GenerateInput:
     add_generation_prompt: bool = True
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
+
+
+PROMPT_FORMS = ("prompt", "token_ids", "chat")
+
+
+def prompt_form(forms: Mapping[str, object], paths: Mapping[str, str] | None = None) -> str:
+    """Which of prompt, token_ids and chat carries the prompt in ``forms`` (GenerateInput's
+    fields): the one rule every adapter and stage applies. FieldError unless exactly one is
+    set and it is not empty, the field named by ``paths`` (the caller's request) if given."""
+    given = [f for f in PROMPT_FORMS if forms.get(f) is not None]
+    if len(given) != 1:
+        raise FieldError("prompt", "exactly one of prompt, token_ids and chat must be set")
+    if not forms[given[0]]:
+        raise FieldError((paths or {}).get(given[0], given[0]), "must not be empty")
+    return given[0]
 
 
 @dataclass(frozen=True)
@@ -79,27 +97,6 @@ class ModelInfo:
     weights: str = "dense"  # --weights as it took effect: dense, quantized, quantized-int8
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # captured decode graphs (--cuda-graphs)
     async_output: bool = False  # --async-output as it took effect
-
-
-class RequestError(Exception):
-    """A request failed; ``code`` is the gRPC status code's name (services/status.py)."""
-
-    code = "INTERNAL"
-
-
-class InvalidArgument(RequestError):
-    """A request field breaks a rule: ``"<field>: <rule>"``, the field by its request path."""
-
-    code = "INVALID_ARGUMENT"
-
-    def __init__(self, field: str, rule: str) -> None:
-        super().__init__(f"{field}: {rule}")
-        self.field = field
-        self.rule = rule
-
-    def at(self, field: str) -> InvalidArgument:
-        """The same rule, with the field named as the caller's request spells it."""
-        return InvalidArgument(field, self.rule)
 
 
 class ResourceExhausted(RequestError):

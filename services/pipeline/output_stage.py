@@ -5,7 +5,7 @@ that may be the start of one), decides the finish, and delivers ``Chunk``/``Comp
 (or a ``RequestError``) to the request's asyncio queue on the server's event loop. A
 stop-string hit finishes the stream at once and sends an ``Abort`` back to stage 2 so
 the engine frees the sequence. The per-request work is ``RequestState``
-(services/request_state.py); this module owns the workers and the delivery.
+(services/pipeline/request_state.py); this module owns the workers and the delivery.
 
 Requests are sharded over the workers by id, so one request's events stay in order.
 """
@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
+from compute.core.errors import FieldError
 from compute.core.messages import (
     AddRequest,
     FailureKind,
@@ -29,16 +30,9 @@ from compute.core.messages import (
 )
 from compute.tokenizer import Tokenizer
 from kernels.log import get_logger
-from services.domain import (
-    Chunk,
-    Complete,
-    EngineFault,
-    InvalidArgument,
-    RequestError,
-    Unavailable,
-)
-from services.metrics import Metrics
-from services.request_state import Event, Outcome, RequestState, RequestStream
+from services.pipeline.domain import Chunk, Complete, EngineFault, RequestError, Unavailable
+from services.pipeline.request_state import Event, Outcome, RequestState, RequestStream
+from services.telemetry.metrics import NO_METRICS, Metrics
 
 log = get_logger(__name__)
 
@@ -79,7 +73,7 @@ class OutputStage:
         self,
         tokenizer: Tokenizer | None,
         send_abort: Callable[[str], None],
-        metrics: Metrics | None = None,
+        metrics: Metrics = NO_METRICS,
         num_workers: int = 1,
     ) -> None:
         self._tokenizer = tokenizer
@@ -180,9 +174,9 @@ class OutputStage:
             deliveries.send()
 
     def _on_step(self, step: StepOutputs, deliveries: Deliveries) -> None:
-        if step.stats is not None and self._metrics is not None:
+        if step.stats is not None:
             self._metrics.observe_engine_stats(step.stats)
-        if step.timing is not None and self._metrics is not None:
+        if step.timing is not None:
             self._metrics.observe_step(step.timing)
         now = time.monotonic()
         for output in step.outputs:
@@ -207,8 +201,7 @@ class OutputStage:
         if self.release(state.request_id):
             deliveries.add(state.stream, [EngineFault(_OUTPUT_FAULT)])
             self._send_abort(state.request_id)
-            if self._metrics is not None:
-                self._metrics.observe_finished("error")
+            self._metrics.observe_finished("error")
 
     def _on_failed(self, msg: RequestFailed, deliveries: Deliveries) -> None:
         state = self._lookup(msg.request_id)
@@ -216,13 +209,12 @@ class OutputStage:
             return
         self.release(msg.request_id)
         deliveries.add(state.stream, [_error(msg)])
-        if self._metrics is not None:
-            if msg.kind is FailureKind.INVALID_ARGUMENT:
-                self._metrics.observe_rejected("invalid_argument")
-            else:
-                self._metrics.observe_finished(
-                    "error" if msg.kind is FailureKind.ENGINE_FAULT else "abort"
-                )
+        if msg.kind is FailureKind.INVALID_ARGUMENT:
+            self._metrics.observe_rejected("invalid_argument")
+        else:
+            self._metrics.observe_finished(
+                "error" if msg.kind is FailureKind.ENGINE_FAULT else "abort"
+            )
 
     def _lookup(self, request_id: str) -> RequestState | None:
         with self._lock:
@@ -234,13 +226,12 @@ class OutputStage:
         if chunk is not None:
             if state.first_token is None:
                 state.first_token = now
-                if self._metrics is not None:
-                    queue_s = (state.first_scheduled or now) - state.arrival
-                    self._metrics.observe_first_token(queue_s, now - state.arrival)
-            elif self._metrics is not None and state.last_token is not None:
+                queue_s = (state.first_scheduled or now) - state.arrival
+                self._metrics.observe_first_token(queue_s, now - state.arrival)
+            elif state.last_token is not None:
                 self._metrics.observe_inter_token(now - state.last_token, len(chunk.token_ids))
             state.last_token = now
-        if outcome.done and self._metrics is not None:
+        if outcome.done:
             final = outcome.events[-1]
             reason = final.finish_reason if isinstance(final, Complete) else "error"
             self._metrics.observe_finished(reason, now - state.arrival)
@@ -278,7 +269,7 @@ def _split(step: StepOutputs, n: int, shard_of: Callable[[str], int]) -> dict[in
 
 def _error(msg: RequestFailed) -> RequestError:
     if msg.kind is FailureKind.INVALID_ARGUMENT:
-        return InvalidArgument(msg.field or "request", msg.message)
+        return FieldError(msg.field or "request", msg.message)
     if msg.kind is FailureKind.UNAVAILABLE:
         return Unavailable(msg.message)
     return EngineFault(msg.message)

@@ -1,6 +1,6 @@
 """TLS and token-auth settings of the server: one frozen dataclass, validated at start-up.
 
-Validation reads the files (services/tls.py, services/auth_tokens.py), so a missing or
+Validation reads the files (security/tls.py, security/auth_tokens.py), so a missing or
 unreadable file, a key without its certificate or a token file without tokens stops
 ``headrace serve`` before the model loads, with a message naming the flag.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.auth_tokens import read_tokens
-from services.tls import read_certificates
+from services.security.auth_tokens import read_tokens
+from services.security.tls import read_certificates
 
 
 @dataclass(frozen=True)

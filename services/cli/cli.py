@@ -4,7 +4,7 @@
 model's tokenizer for a gateway; ``bench serve`` is the serving benchmark (services/bench/).
 
 Every serving knob is a flag with a ``HEADRACE_*`` environment twin; the table
-mapping both onto the frozen config dataclasses is ``FLAGS`` in services/cli_flags.py
+mapping both onto the frozen config dataclasses is ``FLAGS`` in services/cli/cli_flags.py
 (precedence: flag, then environment, then the dataclass default).
 """
 
@@ -17,10 +17,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from services import client_security
 from services.bench import command as bench_command
 from services.bench import flags as bench_flags
-from services.cli_flags import (
+from services.cli.cli_flags import (
     ENV_PREFIX,
     FLAGS,
     OFFLINE_FLAGS,
@@ -28,8 +27,9 @@ from services.cli_flags import (
     build_configs,
     sections,
 )
-from services.client import DEFAULT_SERVER
-from services.log import LogConfig
+from services.client import client_security
+from services.client.client import DEFAULT_SERVER
+from services.telemetry.log import LogConfig
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``headrace`` console script."""
     import grpc
 
-    from services.domain import RequestError
+    from services.pipeline.domain import RequestError
 
     args = build_parser().parse_args(argv)
     try:
@@ -148,12 +148,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services import log
-    from services.server import run
+    from services.server.server import run
+    from services.telemetry import log
 
     configs = build_configs(args)
     log.configure(configs.log)
-    # 1 when a pipeline stage died: the supervisor restarts the server (services/server.py)
+    # 1 when a pipeline stage died: the supervisor restarts the server (services/server/server.py)
     return run(configs.engine, configs.pipeline, configs.server, _announce, configs.tracing)
 
 
@@ -175,7 +175,8 @@ def _announce(server: Any) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services import client, log
+    from services.client import client
+    from services.telemetry import log
 
     log.configure(LogConfig(level="warning"))
     text = args.prompt if args.prompt is not None else args.chat
@@ -205,7 +206,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
-    from services.client import Client
+    from services.client.client import Client
 
     with Client(args.server, args.timeout, _security(args)) as remote:
         info = remote.model_info()
@@ -216,7 +217,7 @@ def _info(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     import grpc
 
-    from services.client import Client
+    from services.client.client import Client
 
     try:
         with Client(args.server, args.timeout or 5.0, _security(args)) as remote:

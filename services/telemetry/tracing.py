@@ -1,6 +1,6 @@
 """OpenTelemetry tracing (``--otlp-endpoint``): a span per request and one per phase.
 
-Imported only when tracing is on (services/tracing_config.py decides), so a server
+Imported only when tracing is on (services/telemetry/tracing_config.py decides), so a server
 without it never loads OpenTelemetry. What a traced request produces:
 
     /headrace.v1.GenerationService/Generate   SERVER, the gRPC instrumentation's span: its
@@ -35,13 +35,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, Status, StatusCode
 
-from services.domain import Complete, RequestError, Timing
-from services.status import SERVICE_PREFIX, WORKER_PREFIX
+from services.pipeline.domain import Complete, RequestError, Timing
+from services.server import methods
 
 DEFAULT_SERVICE_NAME = "headrace"
-# The worker protocol's polls (GetLoads every 10 s, HealthCheck...) would drown the traces;
-# of it only the calls that carry a request are traced. Health and reflection never are.
-WORKER_TRACED = (WORKER_PREFIX + "Generate", WORKER_PREFIX + "Abort")
 
 try:
     from importlib.metadata import version
@@ -49,11 +46,6 @@ try:
     _VERSION = version("headrace")
 except Exception:  # not installed as a distribution (a bare checkout)
     _VERSION = "unknown"
-
-
-def traced_method(details: grpc.HandlerCallDetails) -> bool:
-    """Which calls get a span: headrace.v1's and the worker protocol's requests."""
-    return details.method.startswith(SERVICE_PREFIX) or details.method in WORKER_TRACED
 
 
 class Tracing:
@@ -66,7 +58,7 @@ class Tracing:
         self.provider = TracerProvider(resource=resource)
         processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
         self.provider.add_span_processor(processor)
-        self.interceptor = aio_server_interceptor(self.provider, filter_=traced_method)
+        self.interceptor = aio_server_interceptor(self.provider, filter_=_traced)
         self.requests = SpanTracer(self.provider.get_tracer("headrace", _VERSION))
 
     @classmethod
@@ -82,7 +74,7 @@ class Tracing:
 
 
 class SpanTracer:
-    """``RequestTracer`` (services/trace_context.py) with OpenTelemetry spans."""
+    """``RequestTracer`` (services/telemetry/trace_context.py) with OpenTelemetry spans."""
 
     def __init__(self, tracer: trace.Tracer) -> None:
         self._tracer = tracer
@@ -190,3 +182,7 @@ def _bound_ids(ids: trace.SpanContext) -> Iterator[None]:
     trace_id, span_id = format(ids.trace_id, "032x"), format(ids.span_id, "016x")
     with structlog.contextvars.bound_contextvars(trace_id=trace_id, span_id=span_id):
         yield
+
+
+def _traced(details: grpc.HandlerCallDetails) -> bool:
+    return methods.traced(details.method)

@@ -1,18 +1,22 @@
 """The gRPC server's knobs: one frozen dataclass, validated once.
 
-services/cli_flags.py maps ``--flags`` and ``HEADRACE_*`` variables onto it; the
-server (services/server.py) and servicer read it and nothing else.
+services/cli/cli_flags.py maps ``--flags`` and ``HEADRACE_*`` variables onto it; the
+server (services/server/server.py) and servicer read it and nothing else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.connection_config import ConnectionConfig
-from services.input_limits import InputLimits
-from services.security_config import SecurityConfig
+from services.pipeline.input_limits import InputLimits
+from services.security.security_config import SecurityConfig
+from services.server.connection_config import ConnectionConfig
 
 MIB = 1024 * 1024
+_MINIMA = (
+    ("max_message_bytes", 1024), ("grace_period", 0),
+    ("max_connection_age", 0), ("max_connection_age_grace", 0),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -35,20 +39,12 @@ class ServerConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)  # TLS, mTLS, token auth
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if not -1 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
-        if self.max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
-        if self.grace_period < 0:
-            raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")
-        if self.max_connection_age < 0:
-            raise ValueError(f"max_connection_age must be >= 0, got {self.max_connection_age}")
-        if self.max_connection_age_grace < 0:
-            raise ValueError(
-                f"max_connection_age_grace must be >= 0, got {self.max_connection_age_grace}"
-            )
+        for name, low in (("port", 0), ("metrics_port", -1)):
+            if not low <= (value := getattr(self, name)) <= 65535:
+                raise ValueError(f"{name} must be in [{low}, 65535], got {value}")
+        for name, low in _MINIMA:
+            if (value := getattr(self, name)) < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
         if self.max_batch_requests <= 0:
             raise ValueError(f"max_batch_requests must be positive, got {self.max_batch_requests}")
 

@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import convert
-from services.client_security import ClientSecurity
+from services.api import convert
+from services.client.client_security import ClientSecurity
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from compute.core.config import EngineConfig
-    from services.pipeline import PipelineConfig
+    from services.pipeline.pipeline import PipelineConfig
 
 DEFAULT_SERVER = "localhost:50051"
 # Keepalive pings every 10 s keep long streams alive through proxies and NATs; the
-# server accepts pings that often (services/connection_config.py CLIENT_PING_OPTIONS).
+# server accepts pings that often (services/server/connection_config.py CLIENT_PING_OPTIONS).
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -115,7 +115,7 @@ class OfflineClient:
 
     def __init__(self, engine_config: EngineConfig, pipeline_config: PipelineConfig) -> None:
         from compute.engine import Engine  # torch and the model load only when asked
-        from services.pipeline import Pipeline
+        from services.pipeline.pipeline import Pipeline
 
         self._runner = asyncio.Runner()
         self._pipeline = Pipeline(Engine(engine_config), pipeline_config)

@@ -1,0 +1,1 @@
+"""The headrace.v1 gRPC adapter: the servicer and its protobuf <-> domain conversion."""

@@ -1,0 +1,1 @@
+"""The `headrace` command line: subcommands and the flag definitions."""

@@ -1,0 +1,1 @@
+"""The headrace.v1 client and its TLS/token options."""

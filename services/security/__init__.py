@@ -1,0 +1,1 @@
+"""Transport and caller security: TLS, bearer-token auth and their configuration."""

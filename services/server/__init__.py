@@ -1,0 +1,1 @@
+"""The gRPC server process: start-up, status mapping, the HTTP endpoint and their config."""
