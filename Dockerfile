@@ -4,7 +4,7 @@
 #   docker build --target gpu -t headrace:gpu .      (CUDA 12.8 runtime, CUDA torch, cupy)
 #   docker run --rm -p 50051:50051 -p 9400:9400 headrace:cpu
 # Configure with HEADRACE_* variables (see `headrace serve --help`).
-# tests/test_deploy_image.py runs every RUN/HEALTHCHECK/ENTRYPOINT command of the cpu
+# tests/deploy/test_deploy_image.py runs every RUN/HEALTHCHECK/ENTRYPOINT command of the cpu
 # target in a fresh venv; hadolint lints this file in `make test`.
 
 ARG TORCH_SPEC="torch==2.13.0"

@@ -56,13 +56,13 @@ gpu-wheels: setup ## download the wheels gpu-check installs on a GPU machine wit
 gpu-check: ## on a GPU machine: versions, carried wheels, gpu tests, kernel bench, sanitizers -> $OUT
 	bash bench/gpu_check.sh $(ARGS)
 
-# HAProxy for tests/test_loadbalancer.py, from Debian; only root can install it (CI runs
+# HAProxy for tests/deploy/test_loadbalancer.py, from Debian; only root can install it (CI runs
 # as root), anyone else gets the tests skipped with that message.
 system-tools: ## install haproxy (Debian package) when missing and running as root
 	@if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy; \
-		else echo "haproxy missing (not root): tests/test_loadbalancer.py will skip"; fi; \
+		else echo "haproxy missing (not root): tests/deploy/test_loadbalancer.py will skip"; fi; \
 	fi
 
 test: setup lint ## lint, then run the whole test suite (CPU; GPU tests skip without CUDA)
@@ -123,7 +123,7 @@ soak: setup ## soak: 20 min of mixed load at ~half capacity; RSS, KV leaks, erro
 	$(PY) bench/soak.py $(ARGS)
 
 nvcc-check: ## compile every kernels/csrc/*.cu with nvcc -cubin for sm_80 and sm_90
-	$(PY) -m pytest -q tests/test_cuda_compile.py
+	$(PY) -m pytest -q tests/kernels/test_cuda_compile.py
 
 clean: ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

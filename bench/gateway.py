@@ -9,7 +9,7 @@ Three modes, the same requests, the same client-side clock (one process, asyncio
 Each request: a distinct prompt, greedy, ``--max-tokens`` new tokens with EOS ignored,
 ``--concurrency`` in flight. Per request, TTFT (send -> first token) and TPOT
 ((last - first token) / (tokens - 1)); per mode, output tokens/s over the wall time.
-Replicas and gateways are started here (tests/gateway_stack.py) and killed at the end.
+Replicas and gateways are started here (tests/support/gateway_stack.py) and killed at the end.
 Writes ``bench/results/gateway-<stamp>.json`` and a PNG. guidellm was not used: it needs an
 OpenAI endpoint on both sides, and ``direct`` has none (headrace speaks gRPC).
 
@@ -43,7 +43,7 @@ from bench.common import (  # noqa: E402
 )
 from services import client  # noqa: E402
 from services.gen.headrace.v1 import generation_pb2_grpc  # noqa: E402
-from tests.gateway_stack import Stack, served_model  # noqa: E402
+from tests.support.gateway_stack import Stack, served_model  # noqa: E402
 
 
 def prompts(n: int) -> list[str]:

@@ -32,7 +32,7 @@ OUT=${OUT:-bench/results/gpu-check-$STAMP}
 WHEELS=${GPU_WHEELS_DIR:-.gpu-wheels}
 SITE=${GPU_SITE_DIR:-/tmp/headrace-site}
 # Limits in seconds; together with start-up they stay under the device tool's 600 s.
-KERNEL_TESTS_S=${GPU_CHECK_KERNEL_TESTS_S:-180} # tests/test_kernels_gpu.py, -x
+KERNEL_TESTS_S=${GPU_CHECK_KERNEL_TESTS_S:-180} # tests/kernels/test_kernels_gpu.py, -x
 ENGINE_TESTS_S=${GPU_CHECK_ENGINE_TESTS_S:-150} # every other gpu-marked test
 BENCH_S=${GPU_CHECK_BENCH_S:-70}                # bench/kernels.py, short setting
 GAP_S=${GPU_CHECK_GAP_S:-60}                    # bench/step_gap.py, 50 steps per run
@@ -102,9 +102,9 @@ install() {
 tests() {
   local common=(-q -rfEs -p no:cacheprovider --timeout "$PER_TEST_S")
   step kernel-tests "$KERNEL_TESTS_S" pytest.log "$PYTHON" -m pytest -m gpu -x "${common[@]}" \
-    tests/test_kernels_gpu.py
+    tests/kernels/test_kernels_gpu.py
   step engine-tests "$ENGINE_TESTS_S" pytest.log "$PYTHON" -m pytest -m gpu "${common[@]}" \
-    tests --ignore tests/test_kernels_gpu.py
+    tests --ignore tests/kernels/test_kernels_gpu.py
 }
 
 bench() {
@@ -147,7 +147,7 @@ sanitize() {
   for tool in memcheck racecheck; do
     step "$tool" "$SANITIZE_S" sanitizer.log compute-sanitizer --tool "$tool" --error-exitcode 3 \
       --print-limit 20 "$PYTHON" -m pytest -m gpu -x -q -p no:cacheprovider \
-      tests/test_kernels_gpu.py -k "$subset"
+      tests/kernels/test_kernels_gpu.py -k "$subset"
   done
 }
 

@@ -2,7 +2,7 @@
 
 ``python -m services.codegen`` (``make proto``) runs grpc_tools.protoc on every
 ``protos/**/*.proto`` and rewrites the generated imports so the code imports as
-``services.gen.headrace.v1``. The output is committed; tests/test_proto.py
+``services.gen.headrace.v1``. The output is committed; tests/service/test_proto.py
 regenerates into a temporary directory and fails when the committed copy is stale.
 """
 

@@ -2,7 +2,7 @@
 
 The server runs on its own event loop in a background thread, so tests stay plain
 synchronous functions that talk to it through ordinary (blocking) grpc channels.
-Behind it is the real Pipeline over tests/fake_engine.py's FakeEngine (with the real
+Behind it is the real Pipeline over tests/support/fake_engine.py's FakeEngine (with the real
 SmolLM2 tokenizer), or over the real engine for the tests that need KV accounting.
 """
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # imported when used, so that a broken service never breaks c
     from services.pipeline.pipeline import Pipeline, PipelineConfig
     from services.server.server import Server
     from services.telemetry.metrics import Metrics
-    from tests.fake_engine import FakeEngine
+    from tests.support.fake_engine import FakeEngine
 
 # What the fake engine "generates", cycled: whole words, so chunks are readable text.
 SCRIPT_TEXT = " the quick brown fox jumps over the lazy dog"
@@ -99,7 +99,7 @@ def running_server(
 
 def fake_engine(step_delay: float = 0.001, **kwargs: Any) -> FakeEngine:
     """A FakeEngine with the real SmolLM2 tokenizer that "generates" SCRIPT_TEXT, cycled."""
-    from tests.fake_engine import FakeEngine, smollm2_tokenizer
+    from tests.support.fake_engine import FakeEngine, smollm2_tokenizer
 
     tokenizer = smollm2_tokenizer()
     script = tokenizer.encode(SCRIPT_TEXT)

@@ -2,7 +2,7 @@
 // vector loads, warp reductions.
 //
 // Device-side and header-only. kernels/cuda/launch.py pastes this file into each .cu
-// before handing it to NVRTC (cupy.RawModule), and tests/test_cuda_compile.py
+// before handing it to NVRTC (cupy.RawModule), and tests/kernels/test_cuda_compile.py
 // compiles the same pasted text with `nvcc -cubin`. No host headers beyond
 // cuda_fp16.h / cuda_bf16.h.
 #pragma once

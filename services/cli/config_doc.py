@@ -4,7 +4,7 @@ Every flag of ``FLAGS`` (services/cli/cli_flags.py) with its ``HEADRACE_*`` twin
 default (the config dataclass's, as ``serve --help`` shows it), choices and help, grouped
 by config section; the hand-written parts are the intro and the per-section notes
 below. ``python -m services.cli.config_doc > docs/configuration.md`` (``make docs``)
-rewrites the page; tests/test_config_doc.py fails when the committed one is stale.
+rewrites the page; tests/service/test_config_doc.py fails when the committed one is stale.
 """
 
 from __future__ import annotations

@@ -1,1 +1,0 @@
-"""Host (CPU) emulation of the CUDA kernels, for tests/test_kernels_gpu.py."""

@@ -1,0 +1,281 @@
+"""The engine end to end on a CUDA device, through the CuPy kernels (gpu-marked).
+
+Dummy weights of SmolLM2's shape (the real model does not travel to the GPU
+machine), made once on the CPU in fp32 and copied to each engine, so every
+engine runs the same function. Greedy tokens of a mixed batch of 16 prompts
+(lengths 3..600, so prefills are chunked under a 256-token budget, decodes
+and chunks share steps) are compared:
+
+- with the CPU engine in fp32 (the issue's figure; printed). Random weights
+  give near-tied logits and a greedy run diverges for good after one flip,
+  so the issue's >= 95% is a target for real weights: here the CPU's own
+  bf16 path agreed with its fp32 path at 82.8% of positions (measured on the
+  CPU, 2026-11-23), and the assertion asks for no less than 75%;
+- with the same GPU engine running the torch reference attention instead of
+  the kernels (same dtype, same device: only the attention differs; >= 90%).
+
+Also checked on the GPU: the prefill and decode kernels are both called
+(counted), a second round of prompts sharing prefixes hits the prefix cache,
+and aborting mid-run returns every block.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from compute.core.sampling_params import SamplingParams
+from compute.engine import Engine
+from compute.loaders.dummy import load_dummy
+from kernels import ops, reference
+from kernels.cuda import launch as cuda
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cuda.is_available(), reason="needs a CUDA device and CuPy"),
+]
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cpu_weights():
+    return load_dummy("smollm2-135m", torch.float32, "cpu", seed=0)
+
+
+def make_engine(cpu_weights, device: str, dtype: torch.dtype) -> Engine:
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in cpu_weights.weights.items()}
+    config = EngineConfig(
+        model="dummy:smollm2-135m",
+        cache=CacheConfig(block_size=16, num_blocks=2048),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+        device=DeviceConfig(device=device, dtype=str(dtype).removeprefix("torch.")),
+    )
+    return Engine(config, loaded=replace(cpu_weights, weights=weights))
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [3, 17, 600, 40, 1, 255, 256, 257, 90, 5, 333, 64, 65, 128, 12, 480]
+    return [[rng.randrange(4, 49152) for _ in range(n)] for n in lengths]
+
+
+def greedy_tokens(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
+    return [out.token_ids for out in engine.generate(batch, GREEDY)]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+@pytest.fixture
+def launch_counts(monkeypatch) -> Counter:
+    counts: Counter = Counter()
+    real = cuda._launch
+
+    def counting(device, file, name, *rest):
+        counts[name] += 1
+        return real(device, file, name, *rest)
+
+    monkeypatch.setattr(cuda, "_launch", counting)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_greedy_tokens_agree_with_the_cpu_engine(cpu_weights, launch_counts, dtype):
+    batch = prompts()
+    expected = greedy_tokens(make_engine(cpu_weights, "cpu", torch.float32), batch)
+    gpu = make_engine(cpu_weights, "cuda", dtype)
+    got = greedy_tokens(gpu, batch)
+    share = agreement(got, expected)
+    print(f"\n{dtype}: greedy agreement with the CPU fp32 engine {share:.1%}")
+    assert all(len(t) == NEW_TOKENS for t in got)
+    assert launch_counts["paged_attention_prefill_" + cuda.ATTENTION_DTYPES[dtype] + "_d64"] > 0
+    assert launch_counts[cuda.decode_kernel_name(cuda.ATTENTION_DTYPES[dtype], 64, 16)] > 0
+    assert share >= 0.75
+
+
+def test_kernels_match_the_reference_attention_on_the_gpu(cpu_weights, monkeypatch):
+    batch = prompts(1)
+    kernels = greedy_tokens(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
+    # The model calls ops.<op> at each layer: send CUDA tensors through the torch reference.
+    monkeypatch.setattr(ops, "paged_attention", reference.paged_attention)
+    monkeypatch.setattr(ops, "reshape_and_cache", reference.reshape_and_cache)
+    torch_path = greedy_tokens(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
+    share = agreement(kernels, torch_path)
+    print(f"\nbf16 greedy agreement, kernels vs torch reference attention: {share:.1%}")
+    assert share >= 0.9
+
+
+def test_prefix_cache_and_abort_on_the_gpu(cpu_weights, launch_counts):
+    engine = make_engine(cpu_weights, "cuda", torch.bfloat16)
+    first = prompts(2)
+    greedy_tokens(engine, first)
+    hits_before = engine.stats().prefix_cache_hit_tokens
+    # Same prefixes, new endings: full cached blocks are reused, only the rest is computed.
+    greedy_tokens(engine, [p[:-1] + [7] for p in first if len(p) > 40])
+    assert engine.stats().prefix_cache_hit_tokens > hits_before
+    total = engine.stats().num_blocks
+    for i, p in enumerate(prompts(3)):
+        engine.add_request(f"abort-{i}", p, GREEDY)
+    for _ in range(4):
+        engine.step()
+    assert engine.stats().num_free_blocks < total
+    for i in range(16):
+        engine.abort(f"abort-{i}")
+    assert engine.stats().num_free_blocks == total and not engine.has_unfinished()
+    torch.cuda.synchronize()  # a kernel fault would surface here
+
+
+def _run_mixed(engine: Engine, params: list[SamplingParams], abort_at: int) -> dict:
+    """Step a seeded mixed batch by hand (as the step loop does), aborting request 3."""
+    for i, (prompt, p) in enumerate(zip(prompts(4), params, strict=True)):
+        engine.add_request(f"m{i}", prompt, p)
+    got: dict[str, list] = {f"m{i}": [[], None] for i in range(len(params))}
+    for step in range(1000):
+        if not engine.has_unfinished():
+            break
+        if step == abort_at:
+            engine.abort("m3")
+        for out in engine.step():
+            got[out.request_id][0].extend(out.new_token_ids)
+            got[out.request_id][1] = out.finish_reason
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+    return got
+
+
+def test_async_output_gives_the_outputs_of_sync_output(cpu_weights):
+    """Asynchronous output (the default on CUDA) against synchronous output: the same
+    tokens and finish reasons for greedy, seeded, stop-token and length-capped requests.
+    The request aborted at a fixed step may have streamed one token fewer (its outputs
+    come a step later). A request stopped by a token runs one step more in async mode;
+    if this fails only there, suspect a GEMM that is not batch invariant, not the
+    bookkeeping (which tests/engine/test_async_output.py checks exactly on the CPU)."""
+    reference = greedy_tokens(make_engine(cpu_weights, "cuda", torch.bfloat16), prompts(4))
+    params = []
+    for i in range(16):
+        if i % 4 == 1:
+            params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=12 + i))
+        elif i % 4 == 2:  # stops on the token it would emit fifth
+            stop = reference[i][4]
+            params.append(
+                SamplingParams(
+                    temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=(stop,)
+                )
+            )
+        else:
+            params.append(SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True))
+    sync = make_engine(cpu_weights, "cuda", torch.bfloat16)  # fresh: no prefix-cache hits
+    sync.async_output = False
+    expected = _run_mixed(sync, params, abort_at=6)
+    engine = make_engine(cpu_weights, "cuda", torch.bfloat16)
+    assert engine.async_output  # on by default for CUDA
+    got = _run_mixed(engine, params, abort_at=6)
+    aborted, expected_aborted = got.pop("m3"), expected.pop("m3")
+    assert got == expected
+    assert len(expected_aborted[0]) - len(aborted[0]) in (0, 1)
+    assert aborted[0] == expected_aborted[0][: len(aborted[0])]
+    assert any(reason is not None and reason.value == "stop" for _, reason in got.values())
+    torch.cuda.synchronize()
+
+
+def test_async_step_never_waits_for_work_queued_after_the_step_it_reads(cpu_weights):
+    """The point of asynchronous output: step() launches step N+1 and reads step N's ids
+    without waiting for anything queued after step N (a sleeping kernel here), so no
+    host-to-device copy of the inputs and no read of the outputs synchronizes the stream."""
+    engine = make_engine(cpu_weights, "cuda", torch.bfloat16)
+    engine.add_request("a", prompts()[1], GREEDY)
+    engine.step()  # step 1 (the prefill) launched, nothing read
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued before step 2
+    slept = torch.cuda.Event()
+    slept.record()
+    outputs = engine.step()  # launches step 2 behind the sleep, reads step 1
+    assert not slept.query(), "step() waited for the GPU work queued after step 1"
+    assert [len(o.new_token_ids) for o in outputs] == [1]
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+
+
+def test_device_tensor_is_queued_not_waited_for():
+    from kernels.transfer import device_tensor
+
+    torch.cuda._sleep(2_000_000_000)
+    slept = torch.cuda.Event()
+    slept.record()
+    t = device_tensor([[1, 2], [3, 4]], torch.int32, "cuda")
+    assert not slept.query(), "the copy waited for the kernel queued before it"
+    assert t.dtype == torch.int32 and t.tolist() == [[1, 2], [3, 4]]
+
+
+def _joining_and_leaving(engine: Engine, seed: int) -> dict[str, list[int]]:
+    """Greedy requests arriving over 20 steps with varied lengths: the decode batch grows
+    and shrinks through every bucket up to 16 (so it crosses bucket boundaries)."""
+    rng = random.Random(seed)
+    work = [
+        (rng.randrange(0, 20), [rng.randrange(4, 49152) for _ in range(rng.randrange(3, 80))],
+         SamplingParams(temperature=0.0, max_tokens=rng.randrange(4, 40), ignore_eos=True))
+        for _ in range(16)
+    ]  # fmt: skip
+    tokens: dict[str, list[int]] = {f"j{i}": [] for i in range(len(work))}
+    for step in range(400):
+        for i, (arrival, prompt, params) in enumerate(work):
+            if arrival == step:
+                engine.add_request(f"j{i}", prompt, params)
+        if step > 20 and not engine.has_unfinished():
+            break
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+    return tokens
+
+
+def test_cuda_graphs_replay_gives_the_tokens_of_the_same_buffers_run_eagerly(cpu_weights):
+    """Every bucket's graph (batch 1..16, joins and leaves) against the same padded buffers
+    run eagerly (capture=False): same kernels, same shapes, so the same tokens; and against
+    plain eager steps (other row counts, so bf16 GEMMs may round differently, and random
+    weights' near-tied logits make a greedy run diverge for good after one flip: the
+    same >= 75% floor as the CPU comparison above)."""
+    from compute.cuda_graphs import DecodeGraphs
+
+    engine = make_engine(cpu_weights, "cuda", torch.bfloat16)
+    graphs = engine.runner.graphs
+    assert graphs is not None and engine.cuda_graph_batch_sizes == (1, 2, 4, 8, 16)
+    replayed = _joining_and_leaving(engine, seed=5)
+    assert graphs.replays > 0
+
+    buffers = make_engine(cpu_weights, "cuda", torch.bfloat16)
+    runner = buffers.runner
+    runner.graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, buffers.block_size, 16, buffers.max_model_len,
+        capture=False,
+    )  # fmt: skip
+    assert _joining_and_leaving(buffers, seed=5) == replayed
+
+    eager = make_engine(cpu_weights, "cuda", torch.bfloat16)
+    eager.runner.graphs = None
+    plain = _joining_and_leaving(eager, seed=5)
+    share = agreement([plain[k] for k in sorted(plain)], [replayed[k] for k in sorted(plain)])
+    print(f"\ngreedy agreement, graph replay vs eager steps: {share:.1%}")
+    assert share >= 0.75
+
+
+def test_abort_during_graph_replayed_decoding_frees_blocks(cpu_weights):
+    engine = make_engine(cpu_weights, "cuda", torch.bfloat16)
+    total = engine.stats().num_blocks
+    for i, p in enumerate(prompts(6)[:6]):
+        engine.add_request(f"g{i}", p, SamplingParams(max_tokens=200, ignore_eos=True))
+    while engine.stats().num_waiting or engine.runner.graphs.replays < 5:
+        engine.step()
+    for i in range(6):
+        engine.abort(f"g{i}")
+    assert engine.stats().num_free_blocks == total and not engine.has_unfinished()
+    torch.cuda.synchronize()

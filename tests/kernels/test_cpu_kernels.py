@@ -1,0 +1,311 @@
+"""The CPU kernels (kernels/csrc/cpu/, launched by kernels/cpu/launch.py) against the reference.
+
+Quantized linears against the dense fp32 product of the same weights (and those weights
+bit-exact against gguf's own dequantizer), attention against kernels/reference.py over
+NaN-filled scattered caches, and the fused elementwise steps against their torch forms.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cpu import launch as cpu
+from kernels.metadata import AttentionMetadata
+from kernels.quant import FORMATS, QuantizedWeight
+from tests.kernels.test_paged_attention_ref import PagedCache
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels cannot be built here")
+
+GGUF_TYPES = {
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+}
+
+
+def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Valid GGUF blocks: finite fp16 scales (and mins), random codes."""
+    g = torch.Generator().manual_seed(seed)
+    f = FORMATS[fmt]
+    nb = cols // 32
+    raw = torch.randint(0, 256, (rows, nb, f.block_bytes), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(rows, nb, f.scale_fields, generator=g) * 0.02 - 0.01).half()
+    raw[:, :, : 2 * f.scale_fields] = scales.view(torch.uint8).reshape(rows, nb, -1)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_packed_weights_dequantize_bit_exact_to_gguf(fmt):
+    blocks = random_blocks(fmt, 8, 96)
+    expected = gguf.quants.dequantize(blocks.numpy(), GGUF_TYPES[fmt]).reshape(8, 96)
+    weight = QuantizedWeight.from_gguf(fmt, blocks, 96)
+    assert torch.equal(weight.dequantize(), torch.from_numpy(np.ascontiguousarray(expected)))
+    assert torch.equal(cpu.dequantize_rows(weight), weight.dequantize())
+    rows = torch.tensor([5, 0, 5], dtype=torch.int64)
+    assert torch.equal(cpu.dequantize_rows(weight, rows), weight.dequantize()[rows])
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, 13, 100, 200])
+def test_quant_linear_matches_dense_product(fmt, n):
+    rows, cols = 4 * 9 + 3, 160  # a tail of rows that is not a multiple of 4
+    weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, cols, seed=n), cols)
+    x = torch.randn(n, cols)
+    bias = torch.randn(rows)
+    expected = x.double() @ weight.dequantize().double().T + bias.double()
+    got = cpu.quant_linear(x, weight, bias)
+    assert got.shape == (n, rows)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_quant_linear_rows_do_not_depend_on_the_batch():
+    """Every kernel sums a row's dot product in one order: batch invariance is bitwise."""
+    weight = QuantizedWeight.from_gguf("q4_1", random_blocks("q4_1", 64, 576), 576)
+    x = torch.randn(40, 576)
+    whole = cpu.quant_linear(x, weight)
+    for n in (1, 2, 5, 6, 11):
+        assert torch.equal(cpu.quant_linear(x[:n].contiguous(), weight), whole[:n])
+
+
+def test_quant_linear_checks_its_arguments():
+    weight = QuantizedWeight.from_gguf("q8_0", random_blocks("q8_0", 4, 64), 64)
+    with pytest.raises(ValueError, match="x must have shape"):
+        cpu.quant_linear(torch.randn(2, 32), weight)
+    with pytest.raises(ValueError, match="the int8 kernel reads the tiled"):
+        cpu.quant_linear(torch.randn(2, 64), weight, int8=True)
+    with pytest.raises(ValueError, match="the fp32 kernel reads the per-row"):
+        cpu.quant_linear(torch.randn(2, 64), weight.tiled())
+    with pytest.raises(ValueError, match="x must be a contiguous CPU torch.float32"):
+        cpu.quant_linear(torch.randn(2, 64, dtype=torch.float64), weight)
+
+
+def test_rms_norm_and_residual_add():
+    x, residual, weight = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
+
+    def norm(v):
+        return weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-5), norm(x))
+    expected_residual = residual + x
+    out = cpu.add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, expected_residual)
+    torch.testing.assert_close(out, norm(expected_residual))
+
+
+def test_silu_mul_including_extreme_values():
+    gate_up = torch.randn(3, 64) * 4
+    gate_up[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 200.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_rope_and_cache_matches_the_model_rotary_and_cache_write():
+    from compute.model import RotaryEmbedding
+
+    heads, kv_heads, dim, tokens = 6, 2, 32, 5
+    rope = RotaryEmbedding(dim, 10000.0, 64, "cpu", torch.float32)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    positions = torch.tensor([0, 7, 8, 33, 63])
+    slots = torch.tensor([3, -1, 0, 17, 9])
+    kc, vc = torch.full((5, 4, kv_heads, dim), float("nan")), torch.full((5, 4, kv_heads, dim), 0.0)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    q = cpu.rope_and_cache(qkv, positions, rope.cos, rope.sin, kc, vc, slots, heads)
+    q_ref, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    q_ref = rope(q_ref.reshape(tokens, heads, dim), positions)
+    k = rope(k.reshape(tokens, kv_heads, dim), positions)
+    reference.reshape_and_cache(k, v.reshape(tokens, kv_heads, dim), ref_k, ref_v, slots)
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(kc, ref_k, equal_nan=True)
+    torch.testing.assert_close(vc, ref_v)
+
+
+def build_case(seqs, block_size, heads, kv_heads, dim=64, seed=0):
+    """A NaN-filled cache with scattered tables; every sequence's context written."""
+    torch.manual_seed(seed)
+    total = sum(-(-ctx // block_size) for _, ctx in seqs) + 3
+    cache = PagedCache(total, block_size, kv_heads)
+    cache.key = torch.full((total, block_size, kv_heads, dim), float("nan"))
+    cache.value = torch.full((total, block_size, kv_heads, dim), float("nan"))
+    tables = [cache.new_table(ctx) for _, ctx in seqs]
+    full = AttentionMetadata.build([c for _, c in seqs], [c for _, c in seqs], tables, block_size)
+    tokens = sum(c for _, c in seqs)
+    reference.reshape_and_cache(
+        torch.randn(tokens, kv_heads, dim),
+        torch.randn(tokens, kv_heads, dim),
+        cache.key,
+        cache.value,
+        full.slot_mapping,
+    )
+    meta = AttentionMetadata.build([q for q, _ in seqs], [c for _, c in seqs], tables, block_size)
+    query = torch.randn(sum(q for q, _ in seqs), heads, dim)
+    return query, cache, meta
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(1, 1)],
+        [(1, 15), (1, 16), (1, 17), (1, 600)],
+        [(7, 7), (1, 40), (5, 37), (20, 100)],
+        [(33, 33)],
+    ],
+)
+def test_paged_attention_matches_reference(seqs, block_size):
+    query, cache, meta = build_case(seqs, block_size, heads=9, kv_heads=3)
+    scale = 64**-0.5
+    expected = reference.paged_attention(query, cache.key, cache.value, meta, scale)
+    got = cpu.paged_attention(query, cache.key, cache.value, meta, scale)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_is_batch_invariant_bitwise():
+    seqs = [(1, 50), (4, 30), (1, 200)]
+    query, cache, meta = build_case(seqs, 16, heads=4, kv_heads=2)
+    together = cpu.paged_attention(query, cache.key, cache.value, meta, 0.125)
+    start = 0
+    for i, (qlen, ctx) in enumerate(seqs):
+        tables = meta.block_tables[i : i + 1, : -(-ctx // 16)].tolist()
+        alone = AttentionMetadata.build([qlen], [ctx], tables, 16)
+        q = query[start : start + qlen].contiguous()
+        got = cpu.paged_attention(q, cache.key, cache.value, alone, 0.125)
+        assert torch.equal(got, together[start : start + qlen])
+        start += qlen
+
+
+def test_a_query_gives_the_same_bits_decoded_or_in_a_prefill_chunk():
+    """Recomputing a sequence (preemption, a prefix-cache miss) must not change a token: a
+    query attends with the same arithmetic alone (decode) as in a prefill chunk, wherever
+    the chunk starts and whichever query tile and row block it lands in."""
+    ctx, heads, kv_heads = 77, 9, 3
+    query, cache, meta = build_case([(ctx, ctx)], 16, heads=heads, kv_heads=kv_heads)
+    table = meta.block_tables[:, : -(-ctx // 16)].tolist()
+    prefill = cpu.paged_attention(query, cache.key, cache.value, meta, 0.125)
+    for qlen in (1, 5, 16, 17, 40):  # a suffix of qlen queries as one chunk
+        chunk = AttentionMetadata.build([qlen], [ctx], table, 16)
+        got = cpu.paged_attention(query[ctx - qlen :].contiguous(), cache.key, cache.value,
+                                  chunk, 0.125)  # fmt: skip
+        assert torch.equal(got, prefill[ctx - qlen :]), qlen
+    for pos in (0, 15, 16, 50, ctx - 1):  # each query decoded alone over its prefix
+        alone = AttentionMetadata.build([1], [pos + 1], table, 16)
+        got = cpu.paged_attention(query[pos : pos + 1].contiguous(), cache.key, cache.value,
+                                  alone, 0.125)  # fmt: skip
+        assert torch.equal(got, prefill[pos : pos + 1]), pos
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("cols", [32, 64, 576])
+@pytest.mark.parametrize("rows", [1, 16, 21])  # one partial tile, one whole, one and a part
+def test_tiled_layout_holds_the_same_weights(fmt, cols, rows):
+    plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, cols, seed=cols), cols)
+    tiled = plain.tiled()
+    padded = -(-rows // 16) * 16
+    assert tiled.tiled_layout and tiled.data.shape == (padded, plain.data.shape[1])
+    assert tiled.shape == plain.shape
+    assert torch.equal(tiled.codes(), plain.codes())
+    assert torch.equal(tiled.scales(), plain.scales())
+    assert torch.equal(tiled.dequantize(), plain.dequantize())
+    assert torch.equal(cpu.dequantize_rows(tiled), plain.dequantize())
+    picked = torch.tensor([rows - 1, 0, rows - 1], dtype=torch.int64)
+    assert torch.equal(cpu.dequantize_rows(tiled, picked), plain.dequantize()[picked])
+    if rows > 1:
+        assert not torch.equal(tiled.data[:rows], plain.data), "rows are interleaved"
+    with pytest.raises(ValueError, match="tiled layout"):
+        tiled.take_rows(picked)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("n", [1, 3, 8, 15, 100])  # register tiles of 8 rows + the rest
+@pytest.mark.parametrize("cols", [32, 576])
+@pytest.mark.parametrize("rows", [13, 37])  # a partial tile; two whole ones and a partial
+def test_int8_linear_is_the_exact_product_of_quantized_activations(fmt, n, cols, rows):
+    plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, cols, seed=n + cols), cols)
+    weight = plain.tiled()
+    x = torch.randn(n, cols)
+    x[0, :32] = 0.0  # an all-zero block quantizes to zeros, not NaN
+    bias = torch.randn(rows)
+    expected = cpu.quantize_activations(x).double() @ weight.dequantize().double().T + bias
+    got = cpu.quant_linear(x, weight, bias, int8=True)
+    torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=2e-5)
+    # ... and close to the fp32 product: int8 activations cost ~0.4% per element.
+    exact = x.double() @ weight.dequantize().double().T + bias
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 0.02
+
+
+def test_int8_linear_rows_do_not_depend_on_the_batch():
+    weight = QuantizedWeight.from_gguf("q4_1", random_blocks("q4_1", 40, 576), 576).tiled()
+    x = torch.randn(150, 576)  # more than one 64-row tile of inputs
+    whole = cpu.quant_linear(x, weight, int8=True)
+    for n in (1, 2, 4, 5, 8, 9, 17, 70):
+        assert torch.equal(cpu.quant_linear(x[:n].contiguous(), weight, int8=True), whole[:n])
+
+
+def _isa_library(isa: str):
+    """The kernels built for `isa` (this CPU must run it), with the int8 linear's signature."""
+    import ctypes
+
+    from kernels.cpu import build as cpu_build
+
+    lib = ctypes.CDLL(str(cpu_build.build(isa)))
+    lib.hr_quant_linear_int8.argtypes = cpu._SIGNATURES["hr_quant_linear_int8"]
+    lib.hr_quant_linear_int8.restype = None
+    return lib
+
+
+def test_int8_linear_gives_the_same_bits_on_every_isa():
+    """VNNI, AVX-512 without it (maddubs, Q8_0 split in nibbles) and AVX2 (two halves) all
+    sum the same exact integers and run the same float operations in the same order."""
+    from kernels.cpu import build as cpu_build
+
+    flags = cpu_build.cpu_flags()
+    runnable = [isa for isa, (_, need) in cpu_build.ISA_LEVELS.items() if set(need) <= flags]
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs only {runnable}")
+    x = torch.randn(11, 576)
+    x[3] *= 1e3  # large activations: codes at +-127 against Q8_0's +-127
+    for fmt in sorted(FORMATS):
+        weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, 576, seed=7), 576).tiled()
+        bias = torch.randn(37)
+        outs = []
+        for isa in runnable:
+            out = torch.empty(11, 37)
+            _isa_library(isa).hr_quant_linear_int8(
+                weight.format.code, x.data_ptr(), 11, 576, weight.data.data_ptr(), 37,
+                out.data_ptr(), bias.data_ptr(),
+            )  # fmt: skip
+            outs.append(out)
+        for isa, out in zip(runnable[1:], outs[1:], strict=True):
+            assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"
+
+
+def test_paged_attention_gives_the_same_bits_on_every_isa():
+    """The AVX-512 transpose and the AVX2 build's scalar one feed the same fused
+    multiply-adds in the same order."""
+    from kernels.cpu import build as cpu_build
+
+    flags = cpu_build.cpu_flags()
+    runnable = [isa for isa, (_, need) in cpu_build.ISA_LEVELS.items() if set(need) <= flags]
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs only {runnable}")
+    query, cache, meta = build_case([(1, 40), (20, 100), (3, 3)], 16, heads=8, kv_heads=2)
+    outs = []
+    for isa in runnable:
+        lib = _isa_library(isa)
+        lib.hr_paged_attention.argtypes = cpu._SIGNATURES["hr_paged_attention"]
+        lib.hr_paged_attention.restype = None
+        out = torch.empty_like(query)
+        lib.hr_paged_attention(
+            query.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(),
+            meta.block_tables.data_ptr(), meta.context_lens.data_ptr(),
+            meta.query_start_loc.data_ptr(), meta.num_seqs, 8, 2, 64, 16,
+            meta.block_tables.shape[1], 0.125, out.data_ptr(),
+        )  # fmt: skip
+        outs.append(out)
+    assert not torch.isnan(outs[0]).any()
+    for isa, out in zip(runnable[1:], outs[1:], strict=True):
+        assert torch.equal(out, outs[0]), f"{isa} differs from {runnable[0]}"

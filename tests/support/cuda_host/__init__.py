@@ -1,0 +1,1 @@
+"""Host (CPU) emulation of the CUDA kernels, for tests/kernels/test_kernels_gpu.py."""
