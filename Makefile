@@ -89,7 +89,7 @@ proto: setup ## regenerate the Python gRPC code from protos/
 	$(PY) -m services.codegen
 
 bench: setup ## offline continuous-batching benchmark vs HF static batching (JSON+PNG in bench/results)
-	$(PY) bench/offline.py $(ARGS)
+	$(PY) -m bench.offline $(ARGS)
 
 # Against a running server (`make serve` in another terminal); SERVER/METRICS as for any server.
 SERVER ?= localhost:50051
@@ -106,11 +106,11 @@ bench-serve: setup ## headrace bench serve vs a running server: concurrency 1/4/
 	  --result-json bench/results/serve-cpu-sweep.json --plot bench/results/serve-cpu-sweep.png $(ARGS)
 
 bench-decode: setup ## single-sequence decode tokens/s, headrace vs HF transformers
-	$(PY) bench/decode.py $(ARGS)
+	$(PY) -m bench.decode $(ARGS)
 
 .PHONY: bench-cpu
 bench-cpu: setup ## CPU: headrace serve vs HF (and llama-server if on PATH): tok/s, TTFT, RSS
-	$(PY) bench/cpu_compare.py $(ARGS)
+	$(PY) -m bench.cpu_compare $(ARGS)
 
 bench-cpu-kernels: setup ## the CPU kernels vs the torch path: linears, attention, decode steps
 	$(PY) bench/cpu_kernels.py $(ARGS)

@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import common
 import torch
 from matplotlib.ticker import MaxNLocator
+
+from bench import common
 
 DEFAULT_PROMPT = (
     "<|im_start|>user\nWrite a short story about a lighthouse keeper who finds a message "

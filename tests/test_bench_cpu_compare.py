@@ -1,4 +1,4 @@
-"""bench/cpu_compare*.py without servers: the seeded workload and its distribution, the
+"""bench/cpu_compare/ without servers: the seeded workload and its distribution, the
 llama-server command and request body, the repetition loop over fake systems, and the
 result (medians, ratios, issue 11's goals, JSON, PNG) assembled from fake measurements."""
 
@@ -13,16 +13,9 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))  # the bench scripts import each other by module name
-
-import common  # noqa: E402
-import cpu_compare  # noqa: E402
-import cpu_compare_headrace as headrace  # noqa: E402
-import cpu_compare_llama as llama  # noqa: E402
-import cpu_compare_measure as measure  # noqa: E402
-import cpu_compare_procs as procs  # noqa: E402
-import cpu_compare_report as report  # noqa: E402
+from bench import common, procs
+from bench.cpu_compare import __main__ as cpu_compare
+from bench.cpu_compare import headrace, llama, measure, report
 
 VOCAB = 49152
 

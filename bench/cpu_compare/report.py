@@ -1,6 +1,6 @@
 """The CPU comparison's result: medians per system, ratios, issue 11's goals, table and PNG.
 
-Pure functions of the raw measurements (bench/cpu_compare_measure.py's ``measure``) and the
+Pure functions of the raw measurements (bench/cpu_compare/measure.py's ``measure``) and the
 systems' ``info()``, so a test can assemble a result from fake measurements.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-import common
-from decode import common_prefix
+from bench import common
+from bench.decode import common_prefix
 
 LLAMA, HF = "llama.cpp", "hf"
 # Issue 11's targets for the default model: (key, what, part, summary field, test).

@@ -24,18 +24,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-import common
 import torch
-from offline_engine import run_all_headrace
-from offline_hf import run_hf
-from offline_report import assemble, plot, report
-from offline_workload import make_workload, model_vocab_size
+
+from bench import common
+from bench.offline.engine import run_all_headrace
+from bench.offline.hf import run_hf
+from bench.offline.report import assemble, plot, report
+from bench.offline.workload import make_workload, model_vocab_size
 
 SYSTEMS = ("headrace", "hf-static", "hf-single")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.offline", description=__doc__, formatter_class=common.HelpFormatter
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     w.add_argument("--prompt-min", type=int, default=16, help="shortest prompt (tokens)")

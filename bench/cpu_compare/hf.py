@@ -1,7 +1,7 @@
 """HF transformers in the CPU comparison: in this process, fp32, the same GGUF file.
 
 One stream is bench/decode.py's streamer-stamped ``generate``; many streams are
-bench/offline_hf.py's static batching (left-padded batches in workload order, each running
+bench/offline/hf.py's static batching (left-padded batches in workload order, each running
 until its longest request is done, only each request's own tokens counted).
 """
 
@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import common
 import torch
-from decode import hf_runner
-from offline_hf import hf_generate, run_hf_static
-from offline_workload import Workload
+
+from bench import common
+from bench.decode import hf_runner
+from bench.offline.hf import hf_generate, run_hf_static
+from bench.offline.workload import Workload
 
 
 class HFSystem:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import common
-from offline_engine import StepLog
-from offline_workload import int_list
+from bench import common
+from bench.offline.engine import StepLog
+from bench.offline.workload import int_list
 
 
 def timeline(log: StepLog, max_bins: int = 60) -> dict[str, list[float]]:

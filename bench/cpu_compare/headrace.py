@@ -9,11 +9,10 @@ import math
 import time
 from typing import Any
 
-import common
-from cpu_compare_measure import many_result
-from cpu_compare_procs import ServerProcess
-from offline_workload import Workload
-
+from bench import common
+from bench.cpu_compare.measure import many_result
+from bench.offline.workload import Workload
+from bench.procs import ServerProcess
 from services.bench import launch
 from services.bench.launch import READY
 from services.bench.runner import RunSettings, run_workload

@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import common
-from decode import timed_run
-from offline_workload import Workload, make_workload
+from bench import common
+from bench.decode import timed_run
+from bench.offline.workload import Workload, make_workload
 
 PARTS = ("decode", "ttft", "many")
 
@@ -53,7 +53,7 @@ def random_prompt(vocab_size: int, length: int, seed: int, salt: str) -> list[in
 
 def many_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     """The issue's workload by default: 48 requests at once, prompts uniform in 10..60,
-    outputs exponential with mean 48 capped at 160 (bench/offline_workload.py's generator)."""
+    outputs exponential with mean 48 capped at 160 (bench/offline/workload.py's generator)."""
     spec = argparse.Namespace(
         num_requests=args.num_requests,
         prompt_min=args.prompt_min,

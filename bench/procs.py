@@ -1,7 +1,7 @@
-"""The CPU comparison's server processes: start one, wait until it serves, read its memory.
+"""Server processes of the benchmarks: start one, wait until it serves, read its memory.
 
-Both servers (``headrace serve`` and ``llama-server``) run as child processes of the
-benchmark so that their resident set can be read from /proc/<pid>/status and so that every
+The servers a benchmark measures (``headrace serve``, ``llama-server``) run as its child
+processes so that their resident set can be read from /proc/<pid>/status and so that every
 system runs on the same machine, with the same thread count, in the same run.
 """
 
@@ -37,15 +37,26 @@ def cpu_flags(cpuinfo: str | None = None) -> dict[str, bool]:
     return {}
 
 
+def proc_status(pid: int) -> dict[str, str]:
+    """/proc/<pid>/status as {field: value} (e.g. "VmRSS": "1234 kB"); {} when unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
+
+
+def kib_to_mib(value: str) -> float:
+    """A /proc memory figure ("1234 kB": the kernel writes KiB) in MiB."""
+    return int(value.split()[0]) / 1024
+
+
 def proc_status_mib(pid: int, field: str = "VmRSS") -> float | None:
     """A memory line of /proc/<pid>/status (VmRSS: resident now, VmHWM: its peak) in MiB."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return round(int(line.split()[1]) / 1024, 1)  # the kernel writes kB (KiB)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return round(kib_to_mib(proc_status(pid)[field]), 1)
+    except (KeyError, ValueError, IndexError):
+        return None
 
 
 def cpu_seconds(pid: int) -> float | None:

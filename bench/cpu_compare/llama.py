@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from cpu_compare_measure import many_result
-from cpu_compare_procs import ServerProcess, free_port
-from offline_workload import Workload
+from bench.cpu_compare.measure import many_result
+from bench.offline.workload import Workload
+from bench.procs import ServerProcess, free_port
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 3600.0

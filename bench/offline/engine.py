@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-import common
-from offline_workload import Workload, int_list
+from bench import common
+from bench.offline.workload import Workload, int_list
 
 
 def load_engine(args: argparse.Namespace, max_num_seqs: int, prefill_interval: int):

@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-import common
+from bench import common
 
 
 @dataclass(frozen=True)
