@@ -116,7 +116,7 @@ bench-cpu-kernels: setup ## the CPU kernels vs the torch path: linears, attentio
 	$(PY) bench/cpu_kernels.py $(ARGS)
 
 soak: setup ## soak: 20 min of mixed load at ~half capacity; RSS, KV leaks, errors (ARGS="--duration 90 -- --model dummy:tiny")
-	$(PY) bench/soak.py $(ARGS)
+	$(PY) -m bench.soak $(ARGS)
 
 nvcc-check: ## compile every kernels/csrc/*.cu with nvcc -cubin for sm_80 and sm_90
 	$(PY) -m pytest -q tests/test_cuda_compile.py

@@ -18,7 +18,7 @@ import asyncio
 import math
 from typing import Any
 
-from bench.soak_requests import GENERATING, parse_mix, shares
+from bench.soak.requests import GENERATING, parse_mix, shares
 from services.bench import runner, stats, workload
 
 

@@ -1,7 +1,7 @@
 """Soak benchmark (issue 10): a server under steady mixed load for a long time must not grow,
 leak KV blocks, or answer anything it should not.
 
-    python bench/soak.py [FLAGS] [-- SERVE_FLAGS]         # make soak ARGS="..."
+    python -m bench.soak [FLAGS] [-- SERVE_FLAGS]         # make soak ARGS="..."
 
 Launches ``headrace serve`` (the embedded model unless SERVE_FLAGS say otherwise; its
 log at info level, for the start-up ``memory`` line) or uses ``--server`` (then
@@ -37,17 +37,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/soak.py` measures the working tree
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import soak_summary as summary  # noqa: E402
-from bench.soak_client import drive  # noqa: E402
-from bench.soak_flags import parse_args  # noqa: E402
-from bench.soak_load import choose_load  # noqa: E402
-from bench.soak_monitor import Monitor, read_counters, server_log_facts  # noqa: E402
-from bench.soak_requests import Planner, Shape, parse_mix  # noqa: E402
-from services.bench import command, report, workload  # noqa: E402
-from services.bench.launch import launched_process  # noqa: E402
+from bench.soak import summary
+from bench.soak.client import drive
+from bench.soak.flags import parse_args
+from bench.soak.load import choose_load
+from bench.soak.monitor import Monitor, read_counters, server_log_facts
+from bench.soak.requests import Planner, Shape, parse_mix
+from services.bench import command, report, workload
+from services.bench.launch import launched_process
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -229,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out_dir or RESULTS
     json_path = out_dir / f"{args.name}-{stamp}.json"
     report.write_json(json_path, record)
-    from bench.soak_plot import plot
+    from bench.soak.plot import plot
 
     plot(record, json_path.with_suffix(".png"))
     print_summary(record, json_path)

@@ -1,21 +1,21 @@
-"""bench/soak.py's flags, each documented in --help, and their checks."""
+"""The soak benchmark's flags, each documented in --help, and their checks."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from bench.soak_requests import parse_mix
+from bench.soak.requests import parse_mix
 
 DEFAULT_MIX = "normal:70,cancel:8,deadline:7,bad:13,oversized:2"
 EPILOG = """Flags after `--` go to the launched `headrace serve`, e.g.
-  python bench/soak.py --duration 90 -- --model dummy:tiny
-  python bench/soak.py --server localhost:50051 --server-pid 12345 --server-log serve.log"""
+  python -m bench.soak --duration 90 -- --model dummy:tiny
+  python -m bench.soak --server localhost:50051 --server-pid 12345 --server-log serve.log"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="bench/soak.py",
+        prog="python -m bench.soak",
         description="Soak a headrace server: long mixed load at about half capacity; RSS, "
         "KV blocks, latency and error counts over time; pass/fail against issue 10's goals.",
         epilog=EPILOG,

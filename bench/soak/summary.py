@@ -20,8 +20,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bench.soak_client import SoakRecord
-from bench.soak_requests import Expect
+from bench.soak.client import SoakRecord
+from bench.soak.requests import Expect
 from services.bench import stats
 
 MAX_DETAILS_CHARS = 1024  # longer means unbounded input echoed back (issue 10)

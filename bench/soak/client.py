@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from bench.soak_requests import Planned
+from bench.soak.requests import Planned
 from services.bench.arrivals import arrival_offsets
 from services.client import CHANNEL_OPTIONS
 from services.gen.headrace.v1 import generation_pb2 as pb
