@@ -53,7 +53,7 @@ gpu-wheels: setup ## download the wheels gpu-check installs on a GPU machine wit
 	@du -sh $(GPU_WHEELS_DIR); ls $(GPU_WHEELS_DIR)
 
 gpu-check: ## on a GPU machine: versions, carried wheels, gpu tests, kernel bench, sanitizers -> $OUT
-	bash bench/gpu_check.sh $(ARGS)
+	bash bench/gpu/gpu_check.sh $(ARGS)
 
 # HAProxy for tests/test_loadbalancer.py, from Debian; only root can install it (CI runs
 # as root), anyone else gets the tests skipped with that message.
@@ -113,7 +113,7 @@ bench-cpu: setup ## CPU: headrace serve vs HF (and llama-server if on PATH): tok
 	$(PY) -m bench.cpu_compare $(ARGS)
 
 bench-cpu-kernels: setup ## the CPU kernels vs the torch path: linears, attention, decode steps
-	$(PY) bench/cpu_kernels.py $(ARGS)
+	$(PY) -m bench.cpu_kernels $(ARGS)
 
 soak: setup ## soak: 20 min of mixed load at ~half capacity; RSS, KV leaks, errors (ARGS="--duration 90 -- --model dummy:tiny")
 	$(PY) -m bench.soak $(ARGS)

@@ -28,10 +28,10 @@ import statistics
 import time
 from collections.abc import Callable
 
-import common
 import torch
 import torch.nn.functional as F
 
+from bench import common
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine

@@ -1,24 +1,15 @@
 """The GPU benchmarks of issues 16 and 17 run end to end on the CPU with small numbers:
-the plumbing a GPU session relies on (bench/step_gap.py: launch hooks around every
-launch, both output modes; bench/engine_gpu.py: the same dummy weights in headrace and
-HF, the batch-size probe, the JSON's top-level keys; bench/cuda_graphs.py: both engines,
+the plumbing a GPU session relies on (bench/gpu/step_gap.py: launch hooks around every
+launch, both output modes; bench/gpu/engine_gpu.py: the same dummy weights in headrace and
+HF, the batch-size probe, the JSON's top-level keys; bench/gpu/cuda_graphs.py: both engines,
 every case, the JSON's top-level keys)."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-# The bench scripts import each other by module name; appended, so that bench/kernels.py
-# does not shadow the kernels package.
-sys.path.append(str(BENCH))
-
-import common  # noqa: E402
-import cuda_graphs  # noqa: E402
-import engine_gpu  # noqa: E402
-import step_gap  # noqa: E402
+from bench import common
+from bench.gpu import cuda_graphs, engine_gpu, step_gap
 
 
 def test_step_gap_dry_run_on_the_cpu(tmp_path, monkeypatch) -> None:

@@ -23,9 +23,9 @@ import statistics
 import time
 from typing import Any
 
-import common
 import torch
 
+from bench import common
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.core.sampling_params import SamplingParams
 from compute.cuda_graphs import DecodeGraphs

@@ -28,9 +28,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import common
 import torch
 
+from bench import common
 from compute.core.config import (
     CacheConfig,
     DeviceConfig,

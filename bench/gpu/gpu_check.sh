@@ -24,7 +24,7 @@
 #      run them as `bash bench/gpu_check.sh versions install engine graphs`.
 #      Python: $PYTHON (default python3, the image's torch).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PYTHON=${PYTHON:-python3}
 STAMP=$(date -u +%Y%m%d-%H%M%S)
@@ -108,26 +108,26 @@ tests() {
 }
 
 bench() {
-  step bench-kernels "$BENCH_S" bench.log "$PYTHON" bench/kernels.py --iters 20 --warmup 5
+  step bench-kernels "$BENCH_S" bench.log "$PYTHON" -m bench.gpu.cuda_kernels --iters 20 --warmup 5
   local f
   for f in $(ls -t bench/results/kernels-*.json bench/results/kernels-*.png 2>/dev/null | head -n 2); do
     cp "$f" "$OUT/"
   done
-  step bench-step-gap "$GAP_S" bench.log "$PYTHON" bench/step_gap.py --device cuda --steps 50
+  step bench-step-gap "$GAP_S" bench.log "$PYTHON" -m bench.gpu.step_gap --device cuda --steps 50
   for f in $(ls -t bench/results/step-gap-gpu-*.json bench/results/step-gap-gpu-*.png 2>/dev/null | head -n 2); do
     cp "$f" "$OUT/"
   done
 }
 
 engine() {
-  step bench-engine "$ENGINE_BENCH_S" bench.log "$PYTHON" bench/engine_gpu.py
+  step bench-engine "$ENGINE_BENCH_S" bench.log "$PYTHON" -m bench.gpu.engine_gpu
   for f in $(ls -t bench/results/engine-gpu-*.json bench/results/engine-gpu-*.png 2>/dev/null | head -n 2); do
     cp "$f" "$OUT/"
   done
 }
 
 graphs() {
-  step bench-graphs "$GRAPHS_BENCH_S" bench.log "$PYTHON" bench/cuda_graphs.py
+  step bench-graphs "$GRAPHS_BENCH_S" bench.log "$PYTHON" -m bench.gpu.cuda_graphs
   for f in $(ls -t bench/results/cuda-graphs-*.json bench/results/cuda-graphs-*.png 2>/dev/null | head -n 2); do
     cp "$f" "$OUT/"
   done

@@ -25,9 +25,9 @@ import random
 import statistics
 import time
 
-import common
 import torch
 
+from bench import common
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
