@@ -13,7 +13,7 @@ Replicas and gateways are started here (tests/gateway_stack.py) and killed at th
 Writes ``bench/results/gateway-<stamp>.json`` and a PNG. guidellm was not used: it needs an
 OpenAI endpoint on both sides, and ``direct`` has none (headrace speaks gRPC).
 
-    .venv/bin/python bench/gateway.py --requests 32 --concurrency 8 --max-tokens 32
+    .venv/bin/python -m bench.gateway --requests 32 --concurrency 8 --max-tokens 32
 """
 
 from __future__ import annotations
@@ -21,18 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import grpc
+import openai
 
-import grpc  # noqa: E402
-import openai  # noqa: E402
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     bar_panel,
     load_average,
     new_figure,
@@ -41,9 +37,9 @@ from bench.common import (  # noqa: E402
     timestamp,
     write_result,
 )
-from services import client  # noqa: E402
-from services.gen.headrace.v1 import generation_pb2_grpc  # noqa: E402
-from tests.gateway_stack import Stack, served_model  # noqa: E402
+from services import client
+from services.gen.headrace.v1 import generation_pb2_grpc
+from tests.gateway_stack import Stack, served_model
 
 
 def prompts(n: int) -> list[str]:

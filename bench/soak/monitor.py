@@ -19,6 +19,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.procs import kib_to_mib, proc_status
 from services.bench.scrape import scrape
 
 _STATUS_KEYS = {"VmRSS": "rss_mib", "RssAnon": "rss_anon_mib", "RssFile": "rss_file_mib"}
@@ -31,17 +32,10 @@ COUNTERS = {
 
 def read_status(pid: int) -> dict[str, float]:
     """RSS figures (MiB) and thread count of ``pid``; {} when it cannot be read."""
-    out: dict[str, float] = {}
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in _STATUS_KEYS:
-            out[_STATUS_KEYS[key]] = int(value.split()[0]) / 1024  # kB -> MiB
-        elif key == "Threads":
-            out["threads"] = int(value)
+    status = proc_status(pid)
+    out = {name: kib_to_mib(status[key]) for key, name in _STATUS_KEYS.items() if key in status}
+    if "Threads" in status:
+        out["threads"] = int(status["Threads"])
     return out
 
 
