@@ -92,6 +92,17 @@ def write_result(
     return path
 
 
+def publish(name: str, payload: dict[str, Any], draw: Any = None, settings: Any = None) -> Path:
+    """Every benchmark's epilogue: the JSON (``write_result``) and, when ``draw(stamp)`` is
+    given, the PNG of the same stamp beside it; prints where they went."""
+    stamp = timestamp()
+    path = write_result(name, payload, stamp, settings=settings)
+    if draw is not None:
+        draw(stamp)
+    print(f"\nwrote {path}" + (f" and {path.with_suffix('.png').name}" if draw else ""))
+    return path
+
+
 def new_figure(ncols: int, nrows: int = 1, width: float = 5.5, height: float = 4.0):
     """A grid of panels; returns (figure, list of axes in reading order)."""
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)

@@ -33,9 +33,8 @@ from bench.common import (
     load_average,
     new_figure,
     percentile,
+    publish,
     save_figure,
-    timestamp,
-    write_result,
 )
 from services import client
 from services.gen.headrace.v1 import generation_pb2_grpc
@@ -144,15 +143,16 @@ def main() -> None:
             measured, wall = asyncio.run(run())
             results[name] = summarize(measured, wall, args)
             print(name, results[name], flush=True)
-    stamp = timestamp()
-    path = write_result("gateway", {"results": results}, stamp, settings=vars(args))
-    modes = list(runs)
+    publish("gateway", {"results": results}, lambda stamp: plot(results, stamp, args), vars(args))
+
+
+def plot(results: dict[str, dict], stamp: str, args: argparse.Namespace) -> None:
+    modes = [m for m in results if m != "load_average_before"]
     fig, axes = new_figure(3)
     bar_panel(axes[0], modes, [results[m]["output_tok_s"] for m in modes], "tok/s", "throughput")
     bar_panel(axes[1], modes, [1000 * results[m]["ttft_p50_s"] for m in modes], "ms", "TTFT p50")
     bar_panel(axes[2], modes, [1000 * results[m]["tpot_p50_s"] for m in modes], "ms", "TPOT p50")
     save_figure(fig, "gateway", stamp, f"{args.requests} req, concurrency {args.concurrency}")
-    print(path)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import time
 
 import grpc
 
-from bench.common import timestamp, write_result
+from bench.common import publish
 from bench.procs import kib_to_mib, proc_status
 from services.bench.launch import launched_process
 from services.gen.headrace.v1 import generation_pb2 as pb
@@ -105,13 +105,8 @@ def main() -> None:
     out = {name: scenario(extra) for name, extra in SCENARIOS.items()}
     for name, result in out.items():
         print(name, result)
-    path = write_result(
-        "oversized-prompt",
-        {"results": out},
-        timestamp(),
-        settings={"prompt_bytes": len(HUGE), "concurrent_huge": 2, "model": "default"},
-    )
-    print(path)
+    settings = {"prompt_bytes": len(HUGE), "concurrent_huge": 2, "model": "default"}
+    publish("oversized-prompt", {"results": out}, settings=settings)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ every case, the JSON's top-level keys)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
 
 from bench import common
 from bench.gpu import cuda_graphs, engine_gpu, step_gap
@@ -104,3 +109,20 @@ def test_cuda_graphs_dry_run_on_the_cpu(tmp_path, monkeypatch) -> None:
     assert sorted(cases) == sorted(
         (g, c, b) for g in (False, True) for c in (16, 40) for b in (1, 3)
     )
+
+
+def test_gpu_check_finds_its_benchmarks_without_a_gpu(tmp_path) -> None:
+    """``make gpu-check``'s script from bench/gpu/: its bench step reaches both benchmark
+    modules from the repository root (they refuse to run without CUDA, by name)."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable,
+           "GPU_CHECK_BENCH_S": "120", "GPU_CHECK_GAP_S": "120"}  # fmt: skip
+    subprocess.run(["bash", str(repo / "bench/gpu/gpu_check.sh"), "bench"], env=env,
+                   cwd=tmp_path, capture_output=True, timeout=400)  # fmt: skip
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "step bench-kernels" in summary and "step bench-step-gap" in summary
+    with tarfile.open(tmp_path / "all.tar.gz") as tar:
+        log = tar.extractfile("./bench.log").read().decode()
+    assert "No module named" not in log
+    assert "needs a CUDA GPU" in log or "gpu-kernels" in log
+    assert "no CUDA device here" in log or "step-gap-gpu" in log

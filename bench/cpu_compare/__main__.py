@@ -215,13 +215,10 @@ def main(argv: list[str] | None = None) -> None:
         load_average=load,
     )
     payload["load_warning"] = warning
-    stamp = common.timestamp()
-    path = common.write_result(args.name, payload, stamp=stamp)
-    plot(payload, stamp, args.name)
     print_table(payload)
     if warning:
         print(f"WARNING: {warning}")
-    print(f"\nwrote {path} and {path.with_suffix('.png').name}")
+    common.publish(args.name, payload, lambda stamp: plot(payload, stamp, args.name))
 
 
 if __name__ == "__main__":

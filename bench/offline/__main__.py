@@ -134,11 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     payload = assemble(args, workload, hf, runs)
     payload["load_average_start"] = load_start
     payload["load_average_end"] = common.load_average()
-    stamp = common.timestamp()
-    path = common.write_result(args.name, payload, stamp=stamp)
-    plot(payload, stamp, args.name)
     report(payload)
-    print(f"\nwrote {path} and {path.with_suffix('.png').name}")
+    common.publish(args.name, payload, lambda stamp: plot(payload, stamp, args.name))
 
 
 if __name__ == "__main__":
