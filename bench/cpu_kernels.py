@@ -28,10 +28,10 @@ import statistics
 import time
 from collections.abc import Callable
 
-import common
 import torch
 import torch.nn.functional as F
 
+from bench import common
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
@@ -237,7 +237,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     if not cpu.available():
         raise SystemExit("the CPU kernels cannot be built on this machine")
-    stamp = common.timestamp()
     skip = {part for part in args.skip.split(",") if part}
     result = {"load_average_start": common.load_average(), "isa": cpu_build.best_isa()}
     for part, fn in (
@@ -248,10 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     ):
         result[part] = [] if part in skip else fn(args)
         result[f"load_average_after_{part}"] = common.load_average()
-    path = common.write_result("cpu-kernels", result, stamp, settings=vars(args))
-    if not skip:
-        plot(result, stamp)
-    print(f"wrote {path}")
+    draw = None if skip else (lambda stamp: plot(result, stamp))
+    common.publish("cpu-kernels", result, draw, settings=vars(args))
 
 
 if __name__ == "__main__":

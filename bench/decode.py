@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import common
 import torch
 from matplotlib.ticker import MaxNLocator
+
+from bench import common
 
 DEFAULT_PROMPT = (
     "<|im_start|>user\nWrite a short story about a lighthouse keeper who finds a message "
@@ -258,11 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         results["greedy_agreement_tokens"] = common_prefix(
             runs["headrace"][0]["token_ids"], runs["hf"][0]["token_ids"]
         )
-    stamp = common.timestamp()
-    path = common.write_result(args.name, results, stamp=stamp)
-    plot(results, stamp, args.name)
     report(results)
-    print(f"\nwrote {path} and {path.with_suffix('.png').name}")
+    common.publish(args.name, results, lambda stamp: plot(results, stamp, args.name))
 
 
 if __name__ == "__main__":

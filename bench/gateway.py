@@ -13,7 +13,7 @@ Replicas and gateways are started here (tests/support/gateway_stack.py) and kill
 Writes ``bench/results/gateway-<stamp>.json`` and a PNG. guidellm was not used: it needs an
 OpenAI endpoint on both sides, and ``direct`` has none (headrace speaks gRPC).
 
-    .venv/bin/python bench/gateway.py --requests 32 --concurrency 8 --max-tokens 32
+    .venv/bin/python -m bench.gateway --requests 32 --concurrency 8 --max-tokens 32
 """
 
 from __future__ import annotations
@@ -21,29 +21,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import grpc
+import openai
 
-import grpc  # noqa: E402
-import openai  # noqa: E402
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     bar_panel,
     load_average,
     new_figure,
     percentile,
+    publish,
     save_figure,
-    timestamp,
-    write_result,
 )
-from services import client  # noqa: E402
-from services.gen.headrace.v1 import generation_pb2_grpc  # noqa: E402
-from tests.support.gateway_stack import Stack, served_model  # noqa: E402
+from services.client import client
+from services.gen.headrace.v1 import generation_pb2_grpc
+from tests.support.gateway_stack import Stack, served_model
 
 
 def prompts(n: int) -> list[str]:
@@ -148,15 +143,16 @@ def main() -> None:
             measured, wall = asyncio.run(run())
             results[name] = summarize(measured, wall, args)
             print(name, results[name], flush=True)
-    stamp = timestamp()
-    path = write_result("gateway", {"results": results}, stamp, settings=vars(args))
-    modes = list(runs)
+    publish("gateway", {"results": results}, lambda stamp: plot(results, stamp, args), vars(args))
+
+
+def plot(results: dict[str, dict], stamp: str, args: argparse.Namespace) -> None:
+    modes = [m for m in results if m != "load_average_before"]
     fig, axes = new_figure(3)
     bar_panel(axes[0], modes, [results[m]["output_tok_s"] for m in modes], "tok/s", "throughput")
     bar_panel(axes[1], modes, [1000 * results[m]["ttft_p50_s"] for m in modes], "ms", "TTFT p50")
     bar_panel(axes[2], modes, [1000 * results[m]["tpot_p50_s"] for m in modes], "ms", "TPOT p50")
     save_figure(fig, "gateway", stamp, f"{args.requests} req, concurrency {args.concurrency}")
-    print(path)
 
 
 if __name__ == "__main__":

@@ -6,32 +6,24 @@ greedy request 0.2 s later; the same-run baseline is the normal request alone. R
 with the default limits (refused by --max-prompt-bytes) and once with the byte limits
 raised to 16 MiB (refused by the context bound, before tokenizing).
 
-    python bench/oversized_prompt.py
+    python -m bench.oversized_prompt
 
 Writes ``bench/results/oversized-prompt-<stamp>.json``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import grpc
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import REPO_ROOT, timestamp, write_result  # noqa: E402
-from bench.serving import _wait_ready  # noqa: E402
-from services.gen.headrace.v1 import generation_pb2 as pb  # noqa: E402
-from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+from bench.common import publish
+from bench.procs import kib_to_mib, proc_status
+from services.bench.launch import launched_process
+from services.gen.headrace.v1 import generation_pb2 as pb
+from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 
 HUGE = "a " * 7_864_320
 SCENARIOS = {
@@ -42,29 +34,7 @@ MAX_MESSAGE = [("grpc.max_send_message_length", 17 << 20)]
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
-@contextlib.contextmanager
-def server(extra: list[str]):
-    cmd = [sys.executable, "-m", "services.cli.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--metrics-port", "0", "--log-level", "warning", *extra]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        log_path = Path(tmp) / "server.log"
-        with log_path.open("w") as log_file:
-            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            target, _ = _wait_ready(proc, log_path, 600)
-            yield proc, target
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    return kib_to_mib(proc_status(pid)["VmRSS"])
 
 
 def timed(stub, request) -> tuple[float, str]:
@@ -86,8 +56,9 @@ def normal() -> pb.GenerateRequest:
 
 
 def scenario(extra: list[str]) -> dict:
-    with server(extra) as (proc, target):
-        stub = pb_grpc.GenerationServiceStub(grpc.insecure_channel(target, MAX_MESSAGE))
+    with launched_process(extra, 600) as server:
+        proc = server.process
+        stub = pb_grpc.GenerationServiceStub(grpc.insecure_channel(server.target, MAX_MESSAGE))
         timed(stub, normal())  # warm-up
         alone, _ = timed(stub, normal())
         time.sleep(1.0)
@@ -134,13 +105,8 @@ def main() -> None:
     out = {name: scenario(extra) for name, extra in SCENARIOS.items()}
     for name, result in out.items():
         print(name, result)
-    path = write_result(
-        "oversized-prompt",
-        {"results": out},
-        timestamp(),
-        settings={"prompt_bytes": len(HUGE), "concurrent_huge": 2, "model": "default"},
-    )
-    print(path)
+    settings = {"prompt_bytes": len(HUGE), "concurrent_huge": 2, "model": "default"}
+    publish("oversized-prompt", {"results": out}, settings=settings)
 
 
 if __name__ == "__main__":

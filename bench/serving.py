@@ -4,7 +4,7 @@ Launches ``headrace serve`` with the flags after ``--`` (unless ``--server`` is 
 runs ``headrace bench serve`` with the flags before it, and writes
 ``bench/results/serving-<stamp>.json`` and ``.png`` beside it unless told otherwise, e.g.:
 
-    python bench/serving.py --max-concurrency 16 --num-requests 64 -- --device cuda
+    python -m bench.serving --max-concurrency 16 --num-requests 64 -- --device cuda
 
 Every flag is ``headrace bench serve``'s (``headrace bench serve --help``).
 """
@@ -12,14 +12,9 @@ Every flag is ``headrace bench serve``'s (``headrace bench serve --help``).
 from __future__ import annotations
 
 import sys
-from datetime import datetime
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # `python bench/serving.py` measures the working tree
-    sys.path.insert(0, str(REPO_ROOT))
-
-from services import cli  # noqa: E402
+from bench.common import RESULTS_DIR, timestamp
+from services.cli import cli
 
 
 def bench_argv(argv: list[str], stamp: str) -> list[str]:
@@ -29,17 +24,16 @@ def bench_argv(argv: list[str], stamp: str) -> list[str]:
     )
     given = {a.split("=", 1)[0] for a in ours}
     extra = [] if "--server" in given else ["--launch"]
-    results = REPO_ROOT / "bench" / "results"
     if "--result-json" not in given:
-        extra += ["--result-json", str(results / f"serving-{stamp}.json")]
+        extra += ["--result-json", str(RESULTS_DIR / f"serving-{stamp}.json")]
     if "--plot" not in given:
-        extra += ["--plot", str(results / f"serving-{stamp}.png")]
+        extra += ["--plot", str(RESULTS_DIR / f"serving-{stamp}.png")]
     return ["bench", "serve", *extra, *ours, *serve]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    return cli.main(bench_argv(argv, datetime.now().strftime("%Y%m%d-%H%M%S")))
+    return cli.main(bench_argv(argv, timestamp()))
 
 
 if __name__ == "__main__":

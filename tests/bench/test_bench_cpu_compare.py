@@ -1,4 +1,4 @@
-"""bench/cpu_compare*.py without servers: the seeded workload and its distribution, the
+"""bench/cpu_compare/ without servers: the seeded workload and its distribution, the
 llama-server command and request body, the repetition loop over fake systems, and the
 result (medians, ratios, issue 11's goals, JSON, PNG) assembled from fake measurements."""
 
@@ -13,16 +13,9 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))  # the bench scripts import each other by module name
-
-import common  # noqa: E402
-import cpu_compare  # noqa: E402
-import cpu_compare_headrace as headrace  # noqa: E402
-import cpu_compare_llama as llama  # noqa: E402
-import cpu_compare_measure as measure  # noqa: E402
-import cpu_compare_procs as procs  # noqa: E402
-import cpu_compare_report as report  # noqa: E402
+from bench import common, procs
+from bench.cpu_compare import __main__ as cpu_compare
+from bench.cpu_compare import headrace, llama, measure, report
 
 VOCAB = 49152
 
@@ -224,3 +217,21 @@ def test_busy_machine_warning() -> None:
     assert cpu_compare.busy_warning(0.3, cpus=2, threads=2) is None
     assert "not comparable" in cpu_compare.busy_warning(3.0, cpus=2, threads=2)
     assert cpu_compare.busy_warning(10.0, cpus=16, threads=2) is None  # cores to spare
+
+
+def test_cpu_compare_dry_run_one_headrace_server(tmp_path, monkeypatch) -> None:
+    """``python -m bench.cpu_compare`` end to end on tiny settings: a real ``headrace serve``
+    subprocess (quantized), every part, the JSON and PNG. HF and llama.cpp are left out
+    (their plumbing is checked above with fakes); no timing is asserted."""
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    cpu_compare.main(["--headrace-weights", "quantized", "--no-hf", "--llama-server", "none",
+                      "--reps", "1", "--new-tokens", "4", "--decode-prompt-len", "8",
+                      "--ttft-prompt-len", "16", "--num-requests", "3", "--output-mean", "2",
+                      "--output-cap", "4", "--idle-wait", "0", "--name", "t"])  # fmt: skip
+    (path,) = tmp_path.glob("t-*.json")
+    assert path.with_suffix(".png").stat().st_size > 0
+    result = json.loads(path.read_text())
+    assert set(result["systems"]) == {"headrace[quantized]"}
+    assert {"summary", "ratios", "goals", "plan", "skipped"} <= set(result)
+    summary = result["summary"]["headrace[quantized]"]
+    assert summary["decode_tok_s"] > 0 and summary["rss_idle_mib"] > 0

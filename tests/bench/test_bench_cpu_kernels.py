@@ -4,18 +4,11 @@ and the weight pass reads every projection of the embedded model once per mode."
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench import common, cpu_kernels
 from kernels.cpu import launch as cpu
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.append(str(BENCH))  # appended: bench/kernels.py must not shadow the package
-
-import common  # noqa: E402
-import cpu_kernels  # noqa: E402
 
 
 def test_cpu_kernels_dry_run(tmp_path, monkeypatch) -> None:

@@ -1,24 +1,20 @@
 """The GPU benchmarks of issues 16 and 17 run end to end on the CPU with small numbers:
-the plumbing a GPU session relies on (bench/step_gap.py: launch hooks around every
-launch, both output modes; bench/engine_gpu.py: the same dummy weights in headrace and
-HF, the batch-size probe, the JSON's top-level keys; bench/cuda_graphs.py: both engines,
+the plumbing a GPU session relies on (bench/gpu/step_gap.py: launch hooks around every
+launch, both output modes; bench/gpu/engine_gpu.py: the same dummy weights in headrace and
+HF, the batch-size probe, the JSON's top-level keys; bench/gpu/cuda_graphs.py: both engines,
 every case, the JSON's top-level keys)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-# The bench scripts import each other by module name; appended, so that bench/kernels.py
-# does not shadow the kernels package.
-sys.path.append(str(BENCH))
-
-import common  # noqa: E402
-import cuda_graphs  # noqa: E402
-import engine_gpu  # noqa: E402
-import step_gap  # noqa: E402
+from bench import common
+from bench.gpu import cuda_graphs, engine_gpu, step_gap
 
 
 def test_step_gap_dry_run_on_the_cpu(tmp_path, monkeypatch) -> None:
@@ -113,3 +109,20 @@ def test_cuda_graphs_dry_run_on_the_cpu(tmp_path, monkeypatch) -> None:
     assert sorted(cases) == sorted(
         (g, c, b) for g in (False, True) for c in (16, 40) for b in (1, 3)
     )
+
+
+def test_gpu_check_finds_its_benchmarks_without_a_gpu(tmp_path) -> None:
+    """``make gpu-check``'s script from bench/gpu/: its bench step reaches both benchmark
+    modules from the repository root (they refuse to run without CUDA, by name)."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable,
+           "GPU_CHECK_BENCH_S": "120", "GPU_CHECK_GAP_S": "120"}  # fmt: skip
+    subprocess.run(["bash", str(repo / "bench/gpu/gpu_check.sh"), "bench"], env=env,
+                   cwd=tmp_path, capture_output=True, timeout=400)  # fmt: skip
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "step bench-kernels" in summary and "step bench-step-gap" in summary
+    with tarfile.open(tmp_path / "all.tar.gz") as tar:
+        log = tar.extractfile("./bench.log").read().decode()
+    assert "No module named" not in log
+    assert "needs a CUDA GPU" in log or "gpu-kernels" in log
+    assert "no CUDA device here" in log or "step-gap-gpu" in log

@@ -1,4 +1,4 @@
-"""bench/soak.py for a few seconds against an in-process server over the real engine
+"""python -m bench.soak for a few seconds against an in-process server over the real engine
 (``dummy:tiny``): every request kind ends as it must, and the JSON's summary (expected vs
 unexpected counts, latency windows, RSS figures, leaked blocks, goals) is recomputed here
 from the records and samples the JSON itself holds. No timing is asserted."""
@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import structlog
 
-from bench import soak, soak_summary
-from bench.soak_client import SoakRecord
-from bench.soak_requests import FIELD_CASES, UNKNOWN_FIELDS, WIRE_CASES, Expect
+from bench.soak import __main__ as soak
+from bench.soak import summary as soak_summary
+from bench.soak.client import SoakRecord
+from bench.soak.requests import FIELD_CASES, UNKNOWN_FIELDS, WIRE_CASES, Expect
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
 from compute.engine import Engine
 from compute.memory_report import log_memory
