@@ -26,7 +26,9 @@ import torch  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-RESULTS_DIR = BENCH_DIR / "results"
+# HEADRACE_BENCH_RESULTS elsewhere: bench/gpu_check.sh writes straight into the device
+# call's return folder, so a run killed at its time limit still returns what it wrote.
+RESULTS_DIR = Path(os.environ.get("HEADRACE_BENCH_RESULTS") or BENCH_DIR / "results")
 # `python bench/x.py` puts bench/ on sys.path, not the repo root, and the package need not be
 # pip-installed for the benchmarks to measure the working tree.
 if str(REPO_ROOT) not in sys.path:
@@ -72,7 +74,8 @@ def machine_info() -> dict[str, Any]:
 
 
 def git_commit() -> dict[str, Any]:
-    """HEAD and whether the tree had uncommitted changes (then the numbers are for HEAD+diff)."""
+    """HEAD and whether the tree had uncommitted changes (then the numbers are for HEAD+diff).
+    Where the tree is a copy without .git (a GPU machine), HEADRACE_COMMIT names it."""
 
     def git(*args: str) -> str:
         out = subprocess.run(
@@ -83,7 +86,7 @@ def git_commit() -> dict[str, Any]:
     try:
         return {"sha": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
     except (OSError, subprocess.CalledProcessError):
-        return {"sha": None, "dirty": None}
+        return {"sha": os.environ.get("HEADRACE_COMMIT"), "dirty": None}
 
 
 def load_average() -> list[float]:
