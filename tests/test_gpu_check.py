@@ -201,3 +201,25 @@ def test_each_call_fits_the_command_limit(call, steps) -> None:
 
 def test_the_script_parses() -> None:
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def test_the_benchmark_commands_parse_their_arguments(monkeypatch) -> None:
+    """Each `"$PYTHON" bench/x.py ARGS` of the script: ARGS are options that script takes."""
+    import importlib.util
+
+    commands = re.findall(r'"\$PYTHON" bench/(\w+)\.py([^\n]*)', SCRIPT.read_text())
+    assert {name for name, _ in commands} == {"kernels", "step_gap", "cuda_graphs", "engine_gpu"}
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # they import `common` by name
+    for name, rest in commands:
+        argv = rest.split()
+        spec = importlib.util.spec_from_file_location(
+            f"gpu_check_{name}", ROOT / "bench" / f"{name}.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+        try:
+            args = module.parse_args(argv)
+        except TypeError:  # bench/kernels.py reads sys.argv
+            args = module.parse_args()
+        assert args is not None, name
