@@ -3,14 +3,15 @@
 #
 # The device tool gives one command at most 600 s, and a session about 30 minutes, so the
 # work is cut into three calls (bench/README.md, "GPU", has the exact commands):
-#   call1 (the default): versions install tests bench
-#         versions; the carried wheels; `import compute, services`; the gpu-marked kernel
+#   call1 (the default): versions install ready tests bench
+#         versions; the carried wheels; `import compute, services`; a CUDA device and CuPy
+#         there (else every gpu test would skip, and pass); the gpu-marked kernel
 #         tests (stopping at the first failure), then the engine and sampler ones;
 #         bench/kernels.py at a short setting; bench/step_gap.py (batch 8 and 64)
-#   call2: versions install graphs engine
+#   call2: versions install ready graphs engine
 #         bench/cuda_graphs.py, then bench/engine_gpu.py (each writes its JSON after every
 #         shape, so a kill keeps the shapes done)
-#   call3: versions install sanitize
+#   call3: versions install ready sanitize
 #         compute-sanitizer memcheck (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so accesses inside
 #         torch's pool are checked) and racecheck over a subset of the kernel tests
 # Single steps can be named too: bash bench/gpu_check.sh versions install engine ...
@@ -45,15 +46,16 @@ SITE=${GPU_SITE_DIR:-/tmp/headrace-site}
 # from the script's start, versions included) cuts them where they run long: under the
 # 600 s a device command gets, with room for the machine's start-up and the copy back.
 BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
-INSTALL_S=${GPU_CHECK_INSTALL_S:-45}            # pip install of the carried wheels
-IMPORTS_S=${GPU_CHECK_IMPORTS_S:-45}            # import compute, services, kernels.cuda
+INSTALL_S=${GPU_CHECK_INSTALL_S:-40}            # pip install of the carried wheels
+IMPORTS_S=${GPU_CHECK_IMPORTS_S:-40}            # import compute, services, kernels.cuda
+READY_S=${GPU_CHECK_READY_S:-30}                # a CUDA device and CuPy (kernels.cuda)
 KERNEL_TESTS_S=${GPU_CHECK_KERNEL_TESTS_S:-160} # tests/test_kernels_gpu.py, -x (call 1)
 ENGINE_TESTS_S=${GPU_CHECK_ENGINE_TESTS_S:-130} # ENGINE_TEST_FILES below (call 1)
 BENCH_S=${GPU_CHECK_BENCH_S:-60}                # bench/kernels.py, short setting (call 1)
 GAP_S=${GPU_CHECK_GAP_S:-60}                    # bench/step_gap.py, 50 steps per run (call 1)
 GRAPHS_BENCH_S=${GPU_CHECK_GRAPHS_BENCH_S:-160} # bench/cuda_graphs.py, both shapes (call 2)
-ENGINE_BENCH_S=${GPU_CHECK_ENGINE_BENCH_S:-270} # bench/engine_gpu.py, both shapes (call 2)
-SANITIZE_S=${GPU_CHECK_SANITIZE_S:-215}         # each of memcheck and racecheck (call 3)
+ENGINE_BENCH_S=${GPU_CHECK_ENGINE_BENCH_S:-250} # bench/engine_gpu.py, both shapes (call 2)
+SANITIZE_S=${GPU_CHECK_SANITIZE_S:-205}         # each of memcheck and racecheck (call 3)
 COLLECT_S=${GPU_CHECK_COLLECT_S:-120}           # pytest --collect-only (the CPU dry run)
 PER_TEST_S=${GPU_CHECK_PER_TEST_S:-120}
 MIN_STEP_S=20
@@ -156,6 +158,13 @@ install() {
     stop_now "compute/services do not import (setup.log): a package missing from GPU_WHEELS?"
 }
 
+# Without a GPU and CuPy every gpu-marked test skips and pytest exits 0: stop instead.
+ready() {
+  step ready "$READY_S" setup.log "$PYTHON" -c "import sys; from kernels import cuda
+sys.exit(0 if cuda.is_available() else 'kernels.cuda.is_available() is False (no GPU or no CuPy)')" ||
+    stop_now "no CUDA device or no CuPy (setup.log): every gpu test would skip"
+}
+
 common_pytest=(-q -rfEs -p no:cacheprovider)
 
 collect() {
@@ -207,13 +216,15 @@ STEPS=("$@")
 EXPANDED=()
 for s in "${STEPS[@]}"; do
   case $s in
-    call1) EXPANDED+=(versions install tests bench) ;;
-    call2) EXPANDED+=(versions install graphs engine) ;;
-    call3) EXPANDED+=(versions install sanitize) ;;
-    versions | install | collect | tests | bench | sanitize | engine | graphs) EXPANDED+=("$s") ;;
+    call1) EXPANDED+=(versions install ready tests bench) ;;
+    call2) EXPANDED+=(versions install ready graphs engine) ;;
+    call3) EXPANDED+=(versions install ready sanitize) ;;
+    versions | install | ready | collect | tests | bench | sanitize | engine | graphs)
+      EXPANDED+=("$s")
+      ;;
     *)
-      echo "unknown step $s (call1 call2 call3, or: versions install collect tests bench" \
-        "graphs engine sanitize)" >&2
+      echo "unknown step $s (call1 call2 call3, or: versions install ready collect tests" \
+        "bench graphs engine sanitize)" >&2
       exit 2
       ;;
   esac

@@ -170,6 +170,14 @@ def test_an_unknown_step_is_refused(tmp_path) -> None:
     assert done.returncode == 2 and "unknown step benchmark" in done.stderr
 
 
+def test_without_a_gpu_the_calls_stop_before_the_tests(tmp_path) -> None:
+    """Every gpu-marked test would skip, and pytest pass: the `ready` step stops the run."""
+    done = run_script(tmp_path, "install", "ready", "tests", GPU_WHEELS_DIR="installed")
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert done.returncode != 0 and "STOPPED: no CUDA device or no CuPy" in summary
+    assert "kernel-tests" not in summary
+
+
 def test_a_step_the_budget_cannot_hold_is_skipped(tmp_path) -> None:
     done = run_script(tmp_path, "install", GPU_WHEELS_DIR="installed", GPU_CHECK_BUDGET_S="5")
     assert done.returncode == 124
@@ -185,10 +193,10 @@ def limits() -> dict[str, int]:
 @pytest.mark.parametrize(
     "call,steps",
     [
-        ("call1", ["INSTALL_S", "IMPORTS_S", "KERNEL_TESTS_S", "ENGINE_TESTS_S", "BENCH_S",
-                   "GAP_S"]),
-        ("call2", ["INSTALL_S", "IMPORTS_S", "GRAPHS_BENCH_S", "ENGINE_BENCH_S"]),
-        ("call3", ["INSTALL_S", "IMPORTS_S", "SANITIZE_S", "SANITIZE_S"]),
+        ("call1", ["INSTALL_S", "IMPORTS_S", "READY_S", "KERNEL_TESTS_S", "ENGINE_TESTS_S",
+                   "BENCH_S", "GAP_S"]),
+        ("call2", ["INSTALL_S", "IMPORTS_S", "READY_S", "GRAPHS_BENCH_S", "ENGINE_BENCH_S"]),
+        ("call3", ["INSTALL_S", "IMPORTS_S", "READY_S", "SANITIZE_S", "SANITIZE_S"]),
     ],
 )  # fmt: skip
 def test_each_call_fits_the_command_limit(call, steps) -> None:
