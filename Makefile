@@ -14,11 +14,14 @@ ARGS ?=
 # CUDA major version of the CuPy wheel for setup-gpu (cupy-cuda12x or cupy-cuda13x);
 # by default the one the installed torch was built for.
 CUDA_MAJOR ?= $(shell $(PY) -c "import torch; print((torch.version.cuda or '13').split('.')[0])" 2>/dev/null || echo 13)
-# What the GPU machine's image lacks for `import compute, services` and the tests, pinned to
-# what `make setup` installs here (cupy, torch, numpy, pytest... are in that image already).
+# What the GPU machine's image lacks for `import compute, services` and the gpu-marked tests,
+# pinned to what `make setup` installs here (cupy, torch, numpy, pytest, transformers... are
+# in that image already: tests/gpu_image/packages.txt). grpcio and protobuf are there too, at
+# versions the generated stubs may refuse, so they travel as well. tests/test_gpu_check.py
+# checks this list against the project's dependencies and the image's packages: 7.7 MB.
 GPU_WHEELS_DIR := .gpu-wheels
 GPU_WHEELS ?= structlog==26.1.0 gguf==0.19.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
-	grpcio-reflection==1.85.1 protobuf==7.36.2
+	grpcio-reflection==1.85.1 protobuf==7.36.2 smg-grpc-proto==0.4.28
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
@@ -53,7 +56,7 @@ gpu-wheels: setup ## download the wheels gpu-check installs on a GPU machine wit
 		--implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
 	@du -sh $(GPU_WHEELS_DIR); ls $(GPU_WHEELS_DIR)
 
-gpu-check: ## on a GPU machine: versions, carried wheels, gpu tests, kernel bench, sanitizers -> $OUT
+gpu-check: ## on a GPU machine: one device call's steps (ARGS=call1|call2|call3, bench/README.md) -> $OUT
 	bash bench/gpu/gpu_check.sh $(ARGS)
 
 # HAProxy for tests/deploy/test_loadbalancer.py, from Debian; only root can install it (CI runs

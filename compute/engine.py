@@ -36,7 +36,7 @@ from compute.core.outputs import SchedulerOutput
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence
-from compute.cuda_graphs import DecodeGraphs
+from compute.cuda_graphs import DecodeGraphs, capture_or_eager
 from compute.device.selection import building_threads, cpu_execution, resolve_device
 from compute.fault_isolation import launch_isolating
 from compute.loaders import LoadedModel, load_model
@@ -141,7 +141,8 @@ class Engine:
 
     def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
         """CUDA graphs of decode steps when asked (or by default on CUDA). A capture that
-        fails is logged and the engine runs eagerly: slower, not wrong."""
+        fails raises when graphs were asked for (True); by default it is logged (an error)
+        and the engine runs eagerly: slower, not wrong (compute/cuda_graphs.py)."""
         wanted = config.device.cuda_graphs
         if self.device.type != "cuda":
             if wanted:
@@ -149,17 +150,16 @@ class Engine:
             return None
         if wanted is False:
             return None
-        try:
-            return DecodeGraphs(
+        return capture_or_eager(
+            lambda: DecodeGraphs(
                 self.runner.model,
                 self.runner.kv_caches,
                 config.cache.block_size,
                 config.scheduler.max_num_seqs,
                 self.max_model_len,
-            )
-        except Exception:
-            log.exception("cuda graph capture failed: decode steps run eagerly")
-            return None
+            ),
+            wanted,
+        )
 
     @property
     def cuda_graph_batch_sizes(self) -> tuple[int, ...]:

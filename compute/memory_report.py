@@ -1,7 +1,7 @@
 """Where the server's resident memory goes: model tensors, KV cache, the rest.
 
 Logged once by the engine after loading (one ``memory`` line), so a reader of the
-start-up log, and the soak benchmark (bench/soak.py), can tell weights from KV cache from
+start-up log, and the soak benchmark (bench/soak/), can tell weights from KV cache from
 everything else (Python, torch's libraries, the tokenizer, allocator slack) in the
 process's RSS.
 

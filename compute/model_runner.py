@@ -124,7 +124,7 @@ class ModelRunner:
         # previous step: where a PLACEHOLDER input's id is read from.
         self._step_ids: dict[str, tuple[torch.Tensor, int]] = {}
         self._prev_ids: dict[str, tuple[torch.Tensor, int]] = {}
-        # (before, after): called around every launch (bench/step_gap.py records CUDA
+        # (before, after): called around every launch (bench/gpu/step_gap.py records CUDA
         # events there, to see the device's idle time between steps); None: no calls.
         self.launch_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps (the engine's)

@@ -9,7 +9,8 @@ stream end to end: 128 greedy tokens after a 32-token prompt, tokens/s over the 
 Writes ``bench/results/cuda-graphs-<gpu>-<stamp>.json`` with top-level ``gpu``,
 ``speedup_batch1`` (eager step time / graph step time at batch 1, context 512, the first
 shape), ``single_stream_tok_s`` ({eager, graphs}, first shape) and one row per case, and
-a PNG. Goals: speedup_batch1 >= 3 and single-stream decode >= 1,000 tok/s for
+a PNG, both rewritten after every shape (``complete`` says whether every shape is in).
+Goals: speedup_batch1 >= 3 and single-stream decode >= 1,000 tok/s for
 SmolLM2-135M on an H100. ``--device cpu --shapes tiny`` is a dry run of the plumbing
 (the "graphs" engine then runs the padded graph buffers eagerly: no capture on a CPU).
 Run: ``python bench/cuda_graphs.py`` (``make gpu-check ARGS="versions install graphs"``).
@@ -159,12 +160,9 @@ def plot(rows: list[dict], shapes: list[str], stamp: str, name: str, title: str)
     common.save_figure(fig, name, stamp, title)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("cuda_graphs: no CUDA device here (use --device cpu for a dry run)")
+def payload(rows: list[dict], args: argparse.Namespace, gpu: str) -> dict[str, Any]:
+    """The JSON's payload; the top-level figures are the first shape's, once it is done."""
     shapes = args.shapes.split(",")
-    rows = [row for shape in shapes for row in run_shape(args, shape)]
     first, context = shapes[0], min(int(c) for c in args.contexts.split(","))
     eager, graphs = (step_ms(rows, first, g, 1, context) for g in (False, True))
     streams = {
@@ -172,19 +170,38 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows
         if r["shape"] == first and "single_stream_tok_s" in r
     }
-    gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
-    payload = {
+    done = [s for s in shapes if sum("single_stream_tok_s" in r and r["shape"] == s
+                                     for r in rows) == 2]  # fmt: skip
+    return {
         "gpu": gpu,
         "speedup_batch1": round(eager / graphs, 2) if eager and graphs else None,
         "single_stream_tok_s": streams,
+        "shapes_done": done,
+        "complete": done == shapes,
         "rows": rows,
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("cuda_graphs: no CUDA device here (use --device cpu for a dry run)")
+    shapes = args.shapes.split(",")
+    gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     stamp = common.timestamp()
     name = f"{args.name}-{gpu.replace(' ', '_')}"
-    path = common.write_result(name, payload, stamp, settings=vars(args))
-    plot(rows, shapes, stamp, name, f"decode step, eager vs CUDA graphs, {gpu}")
-    print(f"wrote {path}; speedup_batch1 {payload['speedup_batch1']}, single stream {streams}")
+    rows: list[dict] = []
+    for shape in shapes:
+        rows += run_shape(args, shape)
+        # After every shape (same file, rewritten): a run killed at its time limit keeps
+        # the shapes it finished.
+        result = payload(rows, args, gpu)
+        path = common.write_result(name, result, stamp, settings=vars(args))
+        done = result["shapes_done"]
+        plot(rows, done, stamp, name, f"decode step, eager vs CUDA graphs, {gpu}")
+        print(f"wrote {path} ({shape}); speedup_batch1 {result['speedup_batch1']}, "
+              f"single stream {result['single_stream_tok_s']}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Output tok/s = requests x output-len / wall time (prefill included, both systems
 an untimed warm-up of each (CuPy compiles its kernels at their first launch). Writes
 ``bench/results/engine-gpu-<gpu>-<stamp>.json`` with top-level ``gpu``,
 ``headrace_tok_s``, ``hf_static_tok_s`` and ``ratio`` (the first shape), the settings and
-one row per shape, and a PNG. Run: ``python bench/engine_gpu.py`` on a GPU machine
+one row per shape, and a PNG, both rewritten after every shape (``complete`` says whether
+every shape is in). Run: ``python bench/engine_gpu.py`` on a GPU machine
 (``--device cpu --shapes tiny`` and small numbers for a dry run of the plumbing).
 """
 
@@ -202,11 +203,30 @@ def plot(rows: list[dict], stamp: str, name: str, title: str) -> None:
     common.save_figure(fig, name, stamp, title)
 
 
+def payload(rows: list[dict], args: argparse.Namespace, gpu: str) -> dict[str, Any]:
+    """The JSON's payload; the top-level figures are the first shape's, once it is done."""
+    first = rows[0] if rows else None
+    return {
+        "gpu": gpu,
+        "headrace_tok_s": first["headrace"]["output_tok_s"] if first else None,
+        "hf_static_tok_s": first["hf_static"]["output_tok_s"] if first else None,
+        "ratio": first["ratio"] if first else None,
+        "shapes_done": [r["shape"] for r in rows],
+        "complete": len(rows) == len(args.shapes.split(",")),
+        "rows": rows,
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("engine_gpu: no CUDA device here (use --device cpu for a dry run)")
-    rows = []
+    gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
+    stamp = common.timestamp()
+    name = f"{args.name}-{gpu.replace(' ', '_')}"
+    title = f"{args.num_requests} requests, {args.prompt_len}/{args.output_len}"
+    rows: list[dict] = []
     for shape in args.shapes.split(","):
         loaded = load_dummy(shape, torch.float32, "cpu", seed=args.seed)
         row = {"shape": shape}
@@ -216,21 +236,11 @@ def main(argv: list[str] | None = None) -> None:
         print(shape, "hf-static", row["hf_static"], flush=True)
         row["ratio"] = round(row["headrace"]["output_tok_s"] / row["hf_static"]["output_tok_s"], 2)
         rows.append(row)
-    gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
-    first = rows[0]
-    payload = {
-        "gpu": gpu,
-        "headrace_tok_s": first["headrace"]["output_tok_s"],
-        "hf_static_tok_s": first["hf_static"]["output_tok_s"],
-        "ratio": first["ratio"],
-        "rows": rows,
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
-    }
-    stamp = common.timestamp()
-    name = f"{args.name}-{gpu.replace(' ', '_')}"
-    path = common.write_result(name, payload, stamp, settings=vars(args))
-    plot(rows, stamp, name, f"{args.num_requests} requests, {args.prompt_len}/{args.output_len}")
-    print(f"wrote {path}; ratio {first['ratio']} ({first['shape']})")
+        # After every shape (same file, rewritten): a run killed at its time limit keeps
+        # the shapes it finished.
+        path = common.write_result(name, payload(rows, args, gpu), stamp, settings=vars(args))
+        plot(rows, stamp, name, title)
+        print(f"wrote {path}; {shape}: ratio {row['ratio']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ class DeviceConfig:
     # (affinity mask, cgroup quota; compute/device/threads.py), at most torch's default
     num_threads: int | None = None
     # Decode steps replayed from CUDA graphs, one per bucketed batch size (compute/
-    # cuda_graphs.py). None = on for CUDA; ignored on the CPU (with a log line).
+    # cuda_graphs.py). None = on for CUDA, eager (an error logged) if the capture fails;
+    # True = on, a failed capture fails the engine; ignored on the CPU (with a log line).
     cuda_graphs: bool | None = None
     # Schedule and launch step N+1 before step N's sampled ids reach the host, so the GPU
     # never waits for Python between steps (compute/engine.py); outputs come one step

@@ -125,7 +125,8 @@ FLAGS: tuple[Flag, ...] = (
          "quota; replicas sharing a host: cores / replicas each)", _optional_int),
     Flag("--cuda-graphs", "device.cuda_graphs",
          "replay decode steps from CUDA graphs captured at start-up, one per batch size "
-         "1, 2, 4, ... max-num-seqs (auto: on for CUDA; ignored on the CPU)", _auto_bool),
+         "1, 2, 4, ... max-num-seqs (auto: on for CUDA, eager if the capture fails; true: "
+         "a failed capture stops start-up; ignored on the CPU)", _auto_bool),
     Flag("--async-output", "device.async_output",
          "launch each step before the previous one's sampled ids reach the host, so the "
          "GPU does not idle between steps (auto: on for CUDA, off on the CPU)", _auto_bool),

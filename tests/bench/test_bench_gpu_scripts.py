@@ -7,11 +7,11 @@ every case, the JSON's top-level keys)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
+
+import pytest
 
 from bench import common
 from bench.gpu import cuda_graphs, engine_gpu, step_gap
@@ -111,18 +111,71 @@ def test_cuda_graphs_dry_run_on_the_cpu(tmp_path, monkeypatch) -> None:
     )
 
 
-def test_gpu_check_finds_its_benchmarks_without_a_gpu(tmp_path) -> None:
-    """``make gpu-check``'s script from bench/gpu/: its bench step reaches both benchmark
-    modules from the repository root (they refuse to run without CUDA, by name)."""
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable,
-           "GPU_CHECK_BENCH_S": "120", "GPU_CHECK_GAP_S": "120"}  # fmt: skip
-    subprocess.run(["bash", str(repo / "bench/gpu/gpu_check.sh"), "bench"], env=env,
-                   cwd=tmp_path, capture_output=True, timeout=400)  # fmt: skip
-    summary = (tmp_path / "summary.txt").read_text()
-    assert "step bench-kernels" in summary and "step bench-step-gap" in summary
-    with tarfile.open(tmp_path / "all.tar.gz") as tar:
-        log = tar.extractfile("./bench.log").read().decode()
-    assert "No module named" not in log
-    assert "needs a CUDA GPU" in log or "gpu-kernels" in log
-    assert "no CUDA device here" in log or "step-gap-gpu" in log
+class Killed(Exception):
+    pass
+
+
+def test_engine_gpu_writes_its_json_after_every_shape(tmp_path, monkeypatch) -> None:
+    """A run killed during the second shape (here: failing in it) leaves the first one's
+    JSON and PNG, marked incomplete."""
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    calls: list[str] = []
+
+    def headrace(args, shape, loaded):
+        calls.append(shape)
+        if len(calls) == 2:
+            raise Killed  # what a kill mid-shape amounts to, for the files
+        return {"output_tok_s": 100.0}
+
+    monkeypatch.setattr(engine_gpu, "load_dummy", lambda *a, **k: type("L", (), {"config": 0}))
+    monkeypatch.setattr(engine_gpu, "run_headrace", headrace)
+    monkeypatch.setattr(engine_gpu, "run_hf_static", lambda *a: {"output_tok_s": 10.0,
+                                                                  "batch_size": 4})  # fmt: skip
+    with pytest.raises(Killed):
+        engine_gpu.main(["--device", "cpu", "--shapes", "tiny,smollm2-135m", "--name", "eng"])
+    [path] = tmp_path.glob("eng-cpu-*.json")
+    assert list(tmp_path.glob("eng-cpu-*.png"))
+    result = json.loads(path.read_text())
+    assert result["shapes_done"] == ["tiny"] and result["complete"] is False
+    assert result["ratio"] == 10.0 and result["headrace_tok_s"] == 100.0
+
+
+def test_cuda_graphs_writes_its_json_after_every_shape(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+
+    def run_shape(args, shape):
+        if shape != "tiny":
+            raise Killed
+        rows = []
+        for graphs in (False, True):
+            rows.append({"shape": shape, "graphs": graphs, "batch": 1, "context": 16,
+                         "step_ms": 2.0 if graphs else 6.0, "decode_tok_s": 1.0})  # fmt: skip
+            rows.append({"shape": shape, "graphs": graphs, "single_stream_tok_s": 5.0})
+        return rows
+
+    monkeypatch.setattr(cuda_graphs, "run_shape", run_shape)
+    argv = ["--device", "cpu", "--shapes", "tiny,smollm2-135m", "--batches", "1",
+            "--contexts", "16", "--name", "cg"]  # fmt: skip
+    with pytest.raises(Killed):
+        cuda_graphs.main(argv)
+    [path] = tmp_path.glob("cg-cpu-*.json")
+    assert list(tmp_path.glob("cg-cpu-*.png"))
+    result = json.loads(path.read_text())
+    assert result["shapes_done"] == ["tiny"] and result["complete"] is False
+    assert result["speedup_batch1"] == 3.0
+
+
+def test_results_dir_and_commit_from_the_environment(tmp_path) -> None:
+    """bench/gpu/gpu_check.sh points the benchmarks at the device call's return folder and
+    names the commit where the copy of the tree has no .git."""
+    code = ("from bench import common; import json; print(json.dumps([str(common.RESULTS_DIR), "
+            "common.git_commit()['sha']]))")  # fmt: skip
+    env = {
+        "HEADRACE_BENCH_RESULTS": str(tmp_path),
+        "HEADRACE_COMMIT": "abc1234",
+        "PATH": "/nonexistent",
+    }  # fmt: skip  (no git on the PATH: as in a copy without .git)
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert json.loads(out.stdout) == [str(tmp_path), "abc1234"]

@@ -1,0 +1,241 @@
+"""bench/gpu/gpu_check.sh, the one command of each GPU device call, dry-run on the CPU.
+
+The GPU machine's image has torch, CuPy, pytest, transformers ... but not this project's
+other packages; what `import compute, services` and the gpu-marked tests need beyond it
+travels as wheels (the Makefile's GPU_WHEELS, `make gpu-wheels`, carried in .gpu-wheels/).
+Checked here against the image's package list (tests/support/gpu_image/packages.txt):
+
+- every runtime dependency of the project, and every dependency of a carried wheel (they
+  are installed with --no-deps), is in the image or among the wheels;
+- the script's imports step and its test collection succeed in a subprocess where every
+  installed distribution the image lacks and no wheel carries cannot be imported
+  (tests/support/gpu_image/sitecustomize.py), and collect gpu-marked tests, no errors;
+- without the wheels the script stops at once, saying so; the steps' time limits of each
+  call fit the device's 600 s command limit; a step that would get too little of the
+  budget is skipped, said so.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu" / "gpu_check.sh"
+IMAGE_DIR = ROOT / "tests" / "support" / "gpu_image"
+COMMAND_LIMIT_S = 600  # the device tool's limit on one command
+# Image markers: its python3 is 3.12 on x86-64 Linux.
+IMAGE_ENV = {
+    "python_version": "3.12", "sys_platform": "linux", "platform_system": "Linux",
+    "platform_machine": "x86_64", "implementation_name": "cpython", "extra": "",
+}  # fmt: skip
+
+
+def normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def image_packages() -> set[str]:
+    text = (IMAGE_DIR / "packages.txt").read_text()
+    return {
+        normal(w) for line in text.splitlines() if not line.startswith("#") for w in line.split()
+    }
+
+
+def carried_wheels() -> dict[str, str]:
+    """GPU_WHEELS from the Makefile: name -> pinned version."""
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    [line] = [ln for ln in text.splitlines() if ln.startswith("GPU_WHEELS ?=")]
+    specs = line.split("?=", 1)[1].split()
+    return {normal(s.split("==")[0]): s.split("==")[1] for s in specs}
+
+
+def requirements(dist: str) -> set[str]:
+    """What a distribution needs on the image (extras and other platforms' markers off)."""
+    needed = set()
+    for text in importlib.metadata.distribution(dist).requires or []:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate(IMAGE_ENV):
+            needed.add(normal(req.name))
+    return needed
+
+
+def test_the_image_and_the_wheels_hold_every_runtime_dependency() -> None:
+    available = image_packages() | set(carried_wheels())
+    missing = requirements("headrace") - available
+    assert not missing, f"add to GPU_WHEELS in the Makefile: {sorted(missing)}"
+    assert "smg-grpc-proto" in carried_wheels()  # services/server.py imports it
+
+
+def test_every_carried_wheel_has_its_dependencies_there() -> None:
+    available = image_packages() | set(carried_wheels())
+    for name, version in carried_wheels().items():
+        assert importlib.metadata.version(name) == version, f"{name}: pin what .venv has"
+        missing = requirements(name) - available
+        assert not missing, f"{name} needs {sorted(missing)}: carry them too (--no-deps)"
+
+
+def blocked() -> tuple[list[str], list[str]]:
+    """(top-level modules, distributions) installed here that the GPU machine lacks: not in
+    its image, not needed by a package of its image (which has them there, in its own
+    versions), not a carried wheel."""
+    installed = {normal(d.metadata["Name"]): d for d in importlib.metadata.distributions()}
+    there, todo = set(), [n for n in image_packages() if n in installed]
+    while todo:
+        name = todo.pop()
+        if name not in there:
+            there.add(name)
+            todo += [n for n in requirements(name) if n in installed]
+    allowed = there | set(carried_wheels()) | {"headrace"}
+    modules = [
+        module
+        for module, dists in importlib.metadata.packages_distributions().items()
+        if not any(normal(d) in allowed for d in dists)
+    ]
+    return sorted(modules), sorted(set(installed) - allowed)
+
+
+def run_script(tmp_path: Path, *steps: str, image: bool = False, **env: str):
+    """bash bench/gpu/gpu_check.sh STEPS with this interpreter; image=True: as on the GPU image."""
+    full = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), **env}
+    if image:
+        modules, dists = blocked()
+        full["HEADRACE_BLOCKED_MODULES"] = ",".join(modules)
+        full["HEADRACE_BLOCKED_DISTS"] = ",".join(dists)
+        full["PYTHONPATH"] = str(IMAGE_DIR)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *steps], cwd=ROOT, env=full, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+
+
+def test_the_block_list_holds_what_the_image_lacks() -> None:
+    modules, dists = blocked()
+    # What made collecting all of tests/ fail there.
+    assert {"cryptography", "jsonschema", "kubernetes_validate", "grpc_tools"} <= set(modules)
+    assert "opentelemetry" in modules and "opentelemetry-sdk" in dists
+    # What the wheels and the image provide stays importable.
+    assert not {"torch", "grpc", "structlog", "smg_grpc_proto", "gguf", "pytest"} & set(modules)
+
+
+def test_the_gpu_steps_import_and_collect_with_only_the_image_and_the_wheels(tmp_path) -> None:
+    done = run_script(tmp_path, "install", "collect", image=True, GPU_WHEELS_DIR="installed")
+    out = tmp_path / "out"
+    summary = (out / "summary.txt").read_text()
+    log = (out / "pytest.log").read_text()
+    assert done.returncode == 0, summary + (out / "setup.log").read_text() + log
+    assert "step imports: ok" in summary and "step collect: ok" in summary
+    [counts] = re.findall(r"^(\d+)/(\d+) tests collected.*$", log, re.MULTILINE)
+    assert int(counts[0]) > 50  # the gpu-marked tests (the rest deselected)
+    assert "error" not in log.lower()
+    for test in ("test_engine_gpu.py::", "test_kernels_gpu.py::", "test_sampler.py::"):
+        assert test in log
+
+
+def test_the_block_list_works(tmp_path) -> None:
+    """The same subprocess set-up cannot import what the image lacks (else the test above
+    would prove nothing)."""
+    modules, dists = blocked()
+    env = {
+        **os.environ, "PYTHONPATH": str(IMAGE_DIR),
+        "HEADRACE_BLOCKED_MODULES": ",".join(modules), "HEADRACE_BLOCKED_DISTS": ",".join(dists),
+    }  # fmt: skip
+    code = (
+        "import importlib.metadata as m\n"
+        "try:\n    import cryptography\nexcept ModuleNotFoundError:\n    print('blocked')\n"
+        "print(any(d.metadata['Name'] == 'opentelemetry-sdk' for d in m.distributions()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.split() == ["blocked", "False"], done.stderr
+
+
+def test_without_the_wheels_it_stops_at_once_saying_so(tmp_path) -> None:
+    (tmp_path / "empty").mkdir()
+    done = run_script(tmp_path, GPU_WHEELS_DIR=str(tmp_path / "empty"))
+    assert done.returncode == 2
+    assert "no wheels in" in done.stdout and "carry" in done.stdout
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "STOPPED" in summary and "step " not in summary  # nothing ran, versions neither
+
+
+def test_an_unknown_step_is_refused(tmp_path) -> None:
+    done = run_script(tmp_path, "call1", "benchmark")
+    assert done.returncode == 2 and "unknown step benchmark" in done.stderr
+
+
+def test_without_a_gpu_the_calls_stop_before_the_tests(tmp_path) -> None:
+    """Every gpu-marked test would skip, and pytest pass: the `ready` step stops the run."""
+    done = run_script(tmp_path, "install", "ready", "tests", GPU_WHEELS_DIR="installed")
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert done.returncode != 0 and "STOPPED: no CUDA device or no CuPy" in summary
+    assert "kernel-tests" not in summary
+
+
+def test_a_step_the_budget_cannot_hold_is_skipped(tmp_path) -> None:
+    done = run_script(tmp_path, "install", GPU_WHEELS_DIR="installed", GPU_CHECK_BUDGET_S="5")
+    assert done.returncode == 124
+    assert "step imports: SKIPPED" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def limits() -> dict[str, int]:
+    """The script's default limits: NAME=${GPU_CHECK_..._S:-N}."""
+    found = re.findall(r"^(\w+_S)=\$\{GPU_CHECK_\w+:-(\d+)\}", SCRIPT.read_text(), re.MULTILINE)
+    return {name: int(value) for name, value in found}
+
+
+@pytest.mark.parametrize(
+    "call,steps",
+    [
+        ("call1", ["INSTALL_S", "IMPORTS_S", "READY_S", "KERNEL_TESTS_S", "ENGINE_TESTS_S",
+                   "BENCH_S", "GAP_S"]),
+        ("call2", ["INSTALL_S", "IMPORTS_S", "READY_S", "GRAPHS_BENCH_S", "ENGINE_BENCH_S"]),
+        ("call3", ["INSTALL_S", "IMPORTS_S", "READY_S", "SANITIZE_S", "SANITIZE_S"]),
+    ],
+)  # fmt: skip
+def test_each_call_fits_the_command_limit(call, steps) -> None:
+    found = limits()
+    budget = found.pop("BUDGET_S")
+    assert budget <= COMMAND_LIMIT_S - 60  # start-up, versions, the copy back
+    assert sum(found[s] for s in steps) <= budget - 20, call  # 20 s: versions
+    assert f"{call}) EXPANDED+=" in SCRIPT.read_text()
+
+
+def test_the_script_parses() -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def test_the_benchmark_commands_parse_their_arguments(monkeypatch) -> None:
+    """Each `"$PYTHON" -m bench.gpu.x ARGS` of the script: ARGS are options it takes."""
+    import importlib
+
+    commands = re.findall(r'"\$PYTHON" -m bench\.gpu\.(\w+)([^\n]*)', SCRIPT.read_text())
+    names = {name for name, _ in commands}
+    assert names == {"cuda_kernels", "step_gap", "cuda_graphs", "engine_gpu"}
+    for name, rest in commands:
+        argv = rest.split()
+        module = importlib.import_module(f"bench.gpu.{name}")
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+        try:
+            args = module.parse_args(argv)
+        except TypeError:  # bench/gpu/cuda_kernels.py reads sys.argv
+            args = module.parse_args()
+        assert args is not None, name
+
+
+@pytest.mark.parametrize("script", ["step_gap", "cuda_graphs", "engine_gpu"])
+def test_the_benchmarks_start_with_the_repo_on_pythonpath(script) -> None:
+    """As gpu_check.sh runs them, with the repo root on PYTHONPATH: each starts (a bench
+    module named like a package, as bench/kernels.py once was, would shadow it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", f"bench.gpu.{script}", "--help"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
