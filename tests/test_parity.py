@@ -175,14 +175,14 @@ def test_teacher_forced_agreement_with_hf(hf, engine, mode):
 
 # (--weights, --kv-cache-dtype) -> (teacher-forced top-1 agreement with HF at least,
 # perplexity delta at most), on TEXT: K/V rounded to the cache dtype when written.
-KV_MODES = {
-    ("dense", "float16"): (0.99, 0.002),
-    ("quantized", "float16"): (0.99, 0.002),
-    ("quantized", "bfloat16"): (0.97, 0.01),
-    ("quantized-int8", "float16"): (0.95, 0.01),  # auto for quantized-int8
-    ("quantized-int8", "bfloat16"): (0.95, 0.015),
-    ("quantized", "int8"): (0.95, 0.015),
-    ("quantized-int8", "int8"): (0.95, 0.015),
+KV_MODES = {  # measured at the commit that added them: agreement, perplexity delta
+    ("dense", "float16"): (0.99, 0.002),  # 1.000, -0.003%
+    ("quantized", "float16"): (0.99, 0.002),  # 1.000, +0.001%
+    ("quantized", "bfloat16"): (0.98, 0.005),  # 1.000, -0.052%
+    ("quantized", "int8"): (0.98, 0.005),  # 0.995, +0.045%
+    ("quantized-int8", "float16"): (0.95, 0.01),  # auto for quantized-int8: 0.988, +0.57%
+    ("quantized-int8", "bfloat16"): (0.95, 0.012),  # 0.988, +0.64%
+    ("quantized-int8", "int8"): (0.95, 0.01),  # 0.988, +0.43%
 }
 
 
