@@ -16,8 +16,8 @@ ARGS ?=
 CUDA_MAJOR ?= $(shell $(PY) -c "import torch; print((torch.version.cuda or '13').split('.')[0])" 2>/dev/null || echo 13)
 # What the GPU machine's image lacks for `import compute, services` and the gpu-marked tests,
 # pinned to what `make setup` installs here (cupy, torch, numpy, pytest, transformers... are
-# in that image already: tests/gpu_image/packages.txt). grpcio and protobuf are there too, at
-# versions the generated stubs may refuse, so they travel as well. tests/test_gpu_check.py
+# in that image already: tests/support/gpu_image/packages.txt). grpcio and protobuf are there too, at
+# versions the generated stubs may refuse, so they travel as well. tests/bench/test_gpu_check.py
 # checks this list against the project's dependencies and the image's packages: 7.7 MB.
 GPU_WHEELS_DIR := .gpu-wheels
 GPU_WHEELS ?= structlog==26.1.0 gguf==0.19.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 \

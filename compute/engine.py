@@ -42,7 +42,13 @@ from compute.fault_isolation import launch_isolating
 from compute.loaders import LoadedModel, load_model
 from compute.memory_report import log_memory
 from compute.model import LlamaModel
-from compute.model_runner import ModelRunner, StepResult, blocks_for_memory, default_num_blocks
+from compute.model_runner import (
+    ModelRunner,
+    StepResult,
+    blocks_for_memory,
+    default_num_blocks,
+    kv_cache_dtype,
+)
 from kernels import ops
 from kernels.log import get_logger
 
@@ -103,19 +109,23 @@ class Engine:
         )
         # What took effect: a source without GGUF blocks (HF, dummy) loads dense anyway.
         self.weights = weights if model.quantized else "dense"
-        log.info("model ready", cpu_kernels=native, weights=self.weights)
+        self.kv_dtype = kv_cache_dtype(config.cache, device, dtype, self.weights)
+        log.info(
+            "model ready", cpu_kernels=native, weights=self.weights,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+        )  # fmt: skip
         loaded.weights.clear()  # the model holds its own (fused) copies now
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or default_num_blocks(
-            config, loaded.config, device, dtype, self.max_model_len
+            config, loaded.config, device, self.kv_dtype, self.max_model_len
         )
         num_host_blocks = 0
         if config.scheduler.preemption_mode == "swap":
             num_host_blocks = blocks_for_memory(
-                loaded.config, config.cache, config.cache.swap_space_gib, dtype
+                loaded.config, config.cache, config.cache.swap_space_gib, self.kv_dtype
             )
         self.runner = ModelRunner(
-            model, config.cache, self.num_blocks, num_host_blocks, config.seed
+            model, config.cache, self.num_blocks, num_host_blocks, config.seed, self.kv_dtype
         )
         self.runner.graphs = self._decode_graphs(config)
         self.memory = log_memory(model, self.runner)  # one 'memory' log line: where RSS goes

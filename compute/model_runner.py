@@ -33,6 +33,7 @@ from compute.model import LlamaModel
 from compute.sampler import LogprobRows, Sampler
 from compute.step_batch import StepBatch
 from kernels.metadata import AttentionMetadata
+from kernels.reference import kv_row_width
 from kernels.transfer import device_tensor
 
 GIB = 1024**3
@@ -41,9 +42,30 @@ BAD_TOKEN_MESSAGE = "the sampler produced an invalid token id for this request"
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values."""
+    """Bytes one block takes across all layers, keys and values (int8: with its scales)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    width = kv_row_width(cfg.head_dim, dtype)
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * width * elem
+
+
+def kv_cache_dtype(
+    cache: CacheConfig, device: torch.device, dtype: torch.dtype, weights: str
+) -> torch.dtype:
+    """The KV cache's element type: --kv-cache-dtype, or for "auto" the model dtype (fp32 on
+    the CPU: the exact weight modes stay exact), float16 with quantized-int8 weights.
+    ValueError naming the setting when the CUDA kernels cannot read it (they read caches
+    of the model dtype only)."""
+    name = cache.kv_cache_dtype
+    if name == "auto":
+        return torch.float16 if weights == "quantized-int8" else dtype
+    wanted = getattr(torch, name)
+    if device.type == "cuda" and wanted != dtype:
+        model = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"kv_cache_dtype: the CUDA attention kernels read a KV cache of the model dtype "
+            f"only ({model}), got --kv-cache-dtype {name} (use auto or --dtype {name})"
+        )
+    return wanted
 
 
 def blocks_for_memory(cfg: ModelConfig, cache: CacheConfig, gib: float, dtype) -> int:
@@ -110,9 +132,11 @@ class ModelRunner:
         num_blocks: int,
         num_host_blocks: int = 0,
         seed: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device, self.dtype = model.device, model.dtype
+        self.kv_dtype = kv_dtype or model.dtype  # the caches' (kv_cache_dtype)
         self.block_size = cache.block_size
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_cache(num_blocks, model.device)
@@ -141,12 +165,13 @@ class ModelRunner:
 
     def _allocate_cache(self, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model.config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        width = kv_row_width(cfg.head_dim, self.kv_dtype)  # int8 rows carry their scale
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, width)
         pin = str(device) == "cpu" and self.device.type == "cuda"
         return [
             (
-                torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin),
-                torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin),
+                torch.zeros(shape, dtype=self.kv_dtype, device=device, pin_memory=pin),
+                torch.zeros(shape, dtype=self.kv_dtype, device=device, pin_memory=pin),
             )
             for _ in range(cfg.num_layers)
         ]

@@ -13,6 +13,10 @@ bucket, so short contexts do not pay for the longest one's padding. Prefill chun
 sequence, where the attention itself is large enough to amortise the loop.
 K/V are gathered with ``index_select`` (several times faster on CPU than
 advanced indexing) and everything is computed in fp32 whatever the cache dtype.
+
+Cache dtypes: any float dtype holds K/V rounded to it (``.to``); an int8 cache's last dim
+is ``head_dim + 4``: per token and head, the row's int8 codes then its fp32 scale
+(``quantize_kv_rows``, the layout kernels/csrc/cpu/common.h kv_narrow writes).
 Loop control reads only the metadata's host lists, so nothing syncs on a device.
 """
 
@@ -24,6 +28,47 @@ from torch import Tensor
 
 from kernels.metadata import AttentionMetadata
 
+KV_INT8_SCALE_BYTES = 4  # an int8 cache row: head_dim codes, then the fp32 scale
+
+
+def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """The cache's last dim for rows of ``head_dim`` values of ``dtype``."""
+    return head_dim + KV_INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def kv_head_dim(cache: Tensor) -> int:
+    """The head dim of the rows a cache [N, B, Hkv, width] holds."""
+    width = cache.shape[-1]
+    return width - KV_INT8_SCALE_BYTES if cache.dtype == torch.int8 else width
+
+
+def quantize_kv_rows(x: Tensor) -> Tensor:
+    """fp32 rows [..., D] -> int8 rows [..., D + 4]: per row d = max|x| / 127 and codes
+    round(x * (127 / max|x|)) (ties to even), then d's four bytes."""
+    x = x.to(torch.float32)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # True divisions (a scalar over a tensor becomes a reciprocal times it in torch).
+    d = amax / torch.full_like(amax, 127.0)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(x * inv).clamp(-127, 127).to(torch.int8)
+    return torch.cat([codes, d.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_rows(rows: Tensor) -> Tensor:
+    """int8 rows [..., D + 4] -> fp32 [..., D]: codes * d."""
+    codes, scale = rows[..., :-KV_INT8_SCALE_BYTES], rows[..., -KV_INT8_SCALE_BYTES:]
+    return codes.to(torch.float32) * scale.contiguous().view(torch.float32)
+
+
+def to_cache(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """K or V rows [..., D] as a cache of ``dtype`` holds them."""
+    return quantize_kv_rows(x) if dtype == torch.int8 else x.to(dtype)
+
+
+def from_cache(rows: Tensor) -> Tensor:
+    """Cache rows back to fp32 [..., D]."""
+    return dequantize_kv_rows(rows) if rows.dtype == torch.int8 else rows.to(torch.float32)
+
 
 def reshape_and_cache(
     key: Tensor,
@@ -33,14 +78,14 @@ def reshape_and_cache(
     slot_mapping: Tensor,
 ) -> None:
     """Write key/value [T, Hkv, D] into caches [N, B, Hkv, D] at ``slot_mapping`` (-1 skipped)."""
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    num_blocks, block_size, num_kv_heads, width = key_cache.shape
+    flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, width)
+    flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, width)
     slots = slot_mapping.to(torch.int64)
     # A boolean select needs no host-side "any padding?" check, so it never syncs.
     keep = slots >= 0
-    flat_k.index_copy_(0, slots[keep], key[keep].to(key_cache.dtype))
-    flat_v.index_copy_(0, slots[keep], value[keep].to(value_cache.dtype))
+    flat_k.index_copy_(0, slots[keep], to_cache(key[keep], key_cache.dtype))
+    flat_v.index_copy_(0, slots[keep], to_cache(value[keep], value_cache.dtype))
 
 
 def paged_attention(
@@ -159,8 +204,8 @@ def _gather_kv(
     num_cols = -(-max_len // block_size)
     flat = tables[:, :num_cols].reshape(-1)
     shape = (tables.shape[0], num_cols * block_size, *key_cache.shape[2:])
-    keys = key_cache.index_select(0, flat).view(shape).to(torch.float32)
-    values = value_cache.index_select(0, flat).view(shape).to(torch.float32)
+    keys = from_cache(key_cache.index_select(0, flat).view(shape))
+    values = from_cache(value_cache.index_select(0, flat).view(shape))
     return keys, values
 
 

@@ -63,6 +63,10 @@ class ModelConfig:
 # the cache really costs; --kv-cache-memory-gib or --num-blocks give more).
 CPU_KV_TOKENS_PER_SEQ = 256
 GPU_KV_MEMORY_GIB = 2.0
+# What the KV cache may hold (--kv-cache-dtype): "auto" = the model dtype (fp32 on the CPU:
+# the exact paths stay exact), float16 with --weights quantized-int8 (llama.cpp's numerics);
+# int8 = per token and head int8 codes and an fp32 scale (CPU only).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class CacheConfig:
     memory_gib: float | None = None
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes
     swap_space_gib: float = 1.0  # host memory for swapped-out blocks (preemption_mode=swap)
+    # Element type of the cache (KV_CACHE_DTYPES): K/V are rounded to it once when written
+    # and widened to fp32 when read; block counts from a memory budget follow its bytes.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -86,6 +93,11 @@ class CacheConfig:
             raise ValueError(f"memory_gib must be positive, got {self.memory_gib}")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}"
+                f", got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import functools
 import torch
 from torch import Tensor
 
+from kernels import reference
 from kernels.cpu import build as cpu_build
 from kernels.log import get_logger
 from kernels.metadata import AttentionMetadata
@@ -32,12 +33,17 @@ _SIGNATURES = {
     "hr_rms_norm": (_P, _P, _P, _I, _I, _F),
     "hr_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
     "hr_silu_mul": (_P, _P, _I, _I),
-    "hr_paged_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P),
-    "hr_rope_and_cache": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
+    "hr_paged_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I),
+    "hr_rope_and_cache": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I),
     "hr_set_num_threads": (_I,),
-    # layers .. eps, positions .. scale, six scratch buffers
-    "hr_decoder_layers": (_P, _I, _I, _P, _P, *[_I] * 6, _F, *[_P] * 7, _I, _I, _I, _F, *[_P] * 6),
+    # layers .. eps, positions .. scale, six scratch buffers, the KV dtype
+    "hr_decoder_layers": (_P, _I, _I, _P, _P, *[_I] * 6, _F, *[_P] * 7, _I, _I, _I, _F)
+    + (*[_P] * 6, _I),
 }
+# The KV cache dtypes the kernels read and write (kernels/csrc/cpu/common.h KvDtype): K and
+# V are rounded to the cache dtype once, when written, and widened to fp32 when read. An
+# int8 cache row is head_dim codes and an fp32 scale (kernels/reference.py kv_row_width).
+KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 # Fields per layer of decoder_table (kernels/csrc/cpu/decoder.cpp kLayerFields).
 _LAYER_FIELDS = 20
 
@@ -135,6 +141,23 @@ def quant_linear(
     return out
 
 
+def _check_caches(key_cache: Tensor, value_cache: Tensor, shape: tuple[int | None, ...]) -> int:
+    """Both caches: contiguous CPU tensors of one KV dtype the kernels take, of ``shape``
+    (its last entry the head dim: an int8 cache's rows are 4 bytes wider); returns the
+    dtype's code."""
+    code = KV_DTYPE_CODES.get(key_cache.dtype)
+    if code is None:
+        names = ", ".join(str(t).removeprefix("torch.") for t in KV_DTYPE_CODES)
+        raise ValueError(
+            f"key_cache: the CPU kernels take KV caches of {names}, got {key_cache.dtype}"
+        )
+    if shape[-1] is not None:
+        shape = (*shape[:-1], reference.kv_row_width(shape[-1], key_cache.dtype))
+    _check("key_cache", key_cache, key_cache.dtype, shape)
+    _check("value_cache", value_cache, key_cache.dtype, key_cache.shape)
+    return code
+
+
 def check_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, meta: AttentionMetadata
 ) -> None:
@@ -142,8 +165,7 @@ def check_attention(
     tokens, num_heads, head_dim = query.shape
     num_blocks, _, num_kv_heads, _ = key_cache.shape
     _check("query", query, torch.float32, (tokens, num_heads, head_dim))
-    _check("key_cache", key_cache, torch.float32, (None, None, num_kv_heads, head_dim))
-    _check("value_cache", value_cache, torch.float32, key_cache.shape)
+    _check_caches(key_cache, value_cache, (None, None, num_kv_heads, head_dim))
     _check("block_tables", meta.block_tables, torch.int32, (meta.num_seqs, None))
     _check("context_lens", meta.context_lens, torch.int32, (meta.num_seqs,))
     _check("query_start_loc", meta.query_start_loc, torch.int32, (meta.num_seqs + 1,))
@@ -243,7 +265,7 @@ def rope_and_cache(
     """Rotate q and k of the fused qkv [T, (H + 2 Hkv) D]; k, v into the caches; -> q [T, H, D].
 
     Positions must be < the tables' length: the launcher checks them (with ``check``)."""
-    _, _, num_kv_heads, head_dim = key_cache.shape
+    num_kv_heads, head_dim = key_cache.shape[2], reference.kv_head_dim(key_cache)
     tokens = qkv.shape[0]
     if check:
         _check("qkv", qkv, torch.float32, (tokens, (num_heads + 2 * num_kv_heads) * head_dim))
@@ -251,8 +273,7 @@ def rope_and_cache(
         _check("slot_mapping", slot_mapping, torch.int64, (tokens,))
         _check("cos", cos, torch.float32, (None, head_dim))
         _check("sin", sin, torch.float32, cos.shape)
-        _check("key_cache", key_cache, torch.float32, (None, None, num_kv_heads, head_dim))
-        _check("value_cache", value_cache, torch.float32, key_cache.shape)
+        _check_caches(key_cache, value_cache, (None, None, num_kv_heads, head_dim))
         if tokens and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
             raise ValueError(f"positions must be in [0, {cos.shape[0]})")
     q = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
@@ -269,6 +290,7 @@ def rope_and_cache(
         q.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
+        KV_DTYPE_CODES[key_cache.dtype],
     )
     return q
 
@@ -304,6 +326,7 @@ def paged_attention(
         meta.block_tables.shape[1],
         scale,
         out.data_ptr(),
+        KV_DTYPE_CODES[key_cache.dtype],
     )
     return out
 
@@ -330,8 +353,9 @@ def decoder_table(layers: list, final_norm: Tensor, kv_caches: list) -> Tensor:
             row += [weight.data.data_ptr(), weight.format.code, weight.rows, bias_ptr]
         for name, t in (("post_norm", layer.post_norm), ("next_norm", next_norm)):
             _check(name, t, torch.float32, (layer.qkv.quantized.cols,))
-        _check("key_cache", key_cache, torch.float32, (None, None, None, None))
-        _check("value_cache", value_cache, torch.float32, key_cache.shape)
+        if key_cache.dtype != kv_caches[0][0].dtype:
+            raise ValueError("kv_caches: every layer's caches must have one dtype")
+        _check_caches(key_cache, value_cache, (None, None, None, None))
         row += [layer.post_norm.data_ptr(), next_norm.data_ptr()]
         row += [key_cache.data_ptr(), value_cache.data_ptr()]
         table[i] = torch.tensor(row, dtype=torch.int64)
@@ -362,7 +386,8 @@ def decoder_layers(
     ``key_cache``/``value_cache``: the first layer's, for the checks (every layer's cache
     has their shape: decoder_table). Needs every query row in a sequence (no padding)."""
     tokens, h = x.shape
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    head_dim = reference.kv_head_dim(key_cache)
     q = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
     if check:
         _check("x", x, torch.float32, (tokens, h))
@@ -391,6 +416,6 @@ def decoder_layers(
             meta.query_start_loc.data_ptr(), meta.num_seqs, block_size,
             meta.block_tables.shape[1], scale,
             qkv.data_ptr(), q.data_ptr(), attn.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(),
-            act.data_ptr(),
+            act.data_ptr(), KV_DTYPE_CODES[key_cache.dtype],
         )  # fmt: skip
     return x

@@ -2,7 +2,7 @@
 
 The pipeline's stages update them (stage 3 mirrors the engine's stats snapshots and
 records per-request latencies; the facade counts rejections); the server exposes
-``registry`` on its HTTP side port (services/http_endpoint.py ``start_http``: its own
+``registry`` on its HTTP side port (services/server/http_endpoint.py ``start_http``: its own
 WSGI server, HTTPS with the gRPC certificate, ``/health`` beside ``/metrics``).
 A private ``CollectorRegistry`` rather than the global one lets tests build many.
 """

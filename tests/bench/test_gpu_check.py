@@ -71,7 +71,7 @@ def test_the_image_and_the_wheels_hold_every_runtime_dependency() -> None:
     available = image_packages() | set(carried_wheels())
     missing = requirements("headrace") - available
     assert not missing, f"add to GPU_WHEELS in the Makefile: {sorted(missing)}"
-    assert "smg-grpc-proto" in carried_wheels()  # services/server.py imports it
+    assert "smg-grpc-proto" in carried_wheels()  # services/server/server.py imports it
 
 
 def test_every_carried_wheel_has_its_dependencies_there() -> None:

@@ -3,7 +3,7 @@ every capture fails (torch has no CUDA here): it raises CaptureError, later capt
 the process are refused rather than attempted on whatever state the failure left, graphs
 asked for explicitly (tests, benchmarks) fail with it, and by default the engine logs the
 reason once, as an error, and runs eagerly. The capture itself is tested on a GPU
-(tests/test_engine_gpu.py)."""
+(tests/engine/test_engine_gpu.py)."""
 
 from __future__ import annotations
 

@@ -187,7 +187,7 @@ def test_async_output_gives_the_bits_of_sync_output_at_the_same_batch_shapes(cpu
 def test_async_output_gives_the_outputs_of_sync_output(cpu_weights, monkeypatch):
     """Asynchronous output against synchronous output on greedy, seeded, stop-token and
     length-capped requests, one aborted at a fixed step. The bookkeeping is checked exactly
-    on the CPU (tests/test_async_output.py); here the bits cannot be: a request stopped by a
+    on the CPU (tests/engine/test_async_output.py); here the bits cannot be: a request stopped by a
     token runs one step more in async mode, so that step holds one sequence more than in
     sync mode. Pinned, so that this changes no attention bit: eager steps (no graph bucket)
     and the decode partition size (the planner would pick it from the batch; per sequence

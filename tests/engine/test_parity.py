@@ -24,6 +24,7 @@ from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
 from compute.loaders.default_model import default_model_path
 from compute.model import LlamaModel
+from kernels import reference
 from kernels.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.slow
@@ -172,6 +173,39 @@ def test_teacher_forced_agreement_with_hf(hf, engine, mode):
     assert abs(ppl_ours / ppl_ref - 1) <= max_ppl_delta
 
 
+# (--weights, --kv-cache-dtype) -> (teacher-forced top-1 agreement with HF at least,
+# perplexity delta at most), on TEXT: K/V rounded to the cache dtype when written.
+KV_MODES = {  # measured at the commit that added them: agreement, perplexity delta
+    ("dense", "float16"): (0.99, 0.002),  # 1.000, -0.003%
+    ("quantized", "float16"): (0.99, 0.002),  # 1.000, +0.001%
+    ("quantized", "bfloat16"): (0.98, 0.005),  # 1.000, -0.052%
+    ("quantized", "int8"): (0.98, 0.005),  # 0.995, +0.045%
+    ("quantized-int8", "float16"): (0.95, 0.01),  # auto for quantized-int8: 0.988, +0.57%
+    ("quantized-int8", "bfloat16"): (0.95, 0.012),  # 0.988, +0.64%
+    ("quantized-int8", "int8"): (0.95, 0.01),  # 0.988, +0.43%
+}
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "int8"])
+def test_kv_cache_dtype_agreement_with_hf(hf, engine, mode, kv_dtype):
+    if (mode, kv_dtype) not in KV_MODES:
+        pytest.skip(f"{mode} with a {kv_dtype} cache: not a measured combination")
+    model, _ = hf
+    ids = engine.tokenizer.encode(TEXT)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    ours = _StandaloneModel(engine.runner.model, blocks=-(-len(ids) // 16), kv_dtype=kv_dtype)
+    got = ours.all_logits(ids)
+    target = torch.tensor(ids[1:])
+    agreement = (got[:-1].argmax(-1) == ref[:-1].argmax(-1)).float().mean().item()
+    ppl_ours = math.exp(torch.nn.functional.cross_entropy(got[:-1], target).item())
+    ppl_ref = math.exp(torch.nn.functional.cross_entropy(ref[:-1], target).item())
+    print(f"kv {mode} {kv_dtype}: agreement {agreement:.4f}, ppl {ppl_ours / ppl_ref - 1:+.4%}")
+    min_agreement, max_ppl_delta = KV_MODES[mode, kv_dtype]
+    assert agreement >= min_agreement
+    assert abs(ppl_ours / ppl_ref - 1) <= max_ppl_delta
+
+
 def test_batch_gives_same_tokens_as_one_at_a_time(engine, prompts, one_at_a_time):
     together = [out.token_ids for out in engine.generate(prompts, GREEDY)]
     assert together == one_at_a_time
@@ -219,14 +253,14 @@ class _StandaloneModel:
 
     BLOCK = 16
 
-    def __init__(self, model: LlamaModel, blocks: int = 32) -> None:
+    def __init__(self, model: LlamaModel, blocks: int = 32, kv_dtype: str = "float32") -> None:
         self.model = model
         cfg = self.model.config
         shape = (2 * blocks, self.BLOCK, cfg.num_kv_heads, cfg.head_dim)
-        self.caches = [
-            (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
-            for _ in range(cfg.num_layers)
-        ]
+        dtype = getattr(torch, kv_dtype)
+        nan = reference.to_cache(torch.full(shape, float("nan")), dtype)  # int8: NaN scales
+        self.caches = [(nan.clone(), nan.clone()) for _ in range(cfg.num_layers)]
+        self._nan = nan
         # A scattered block table: block i of the sequence lives at block 2 * blocks - 1 - 2i.
         self.table = [2 * blocks - 1 - 2 * i for i in range(blocks)]
 
@@ -238,8 +272,8 @@ class _StandaloneModel:
 
     def prefill_logits(self, ids: list[int], chunk: int) -> torch.Tensor:
         for c in self.caches:
-            c[0].fill_(float("nan"))
-            c[1].fill_(float("nan"))
+            c[0].copy_(self._nan)
+            c[1].copy_(self._nan)
         for start in range(0, len(ids), chunk):
             end = min(start + chunk, len(ids))
             meta = AttentionMetadata.build([end - start], [end], [self.table], self.BLOCK)

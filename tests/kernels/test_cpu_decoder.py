@@ -2,7 +2,8 @@
 
 It chains the same kernels with the same arguments, so on the embedded model, for a mixed
 batch of prefill chunks and decodes, its hidden states and the K/V it writes must be
-bit-identical to the per-op launchers', for the exact and the int8 numerics alike.
+bit-identical to the per-op launchers', for the exact and the int8 numerics alike, and for
+every KV cache dtype.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from compute.loaders import load_model
 from compute.model import LlamaModel
+from kernels import reference
 from kernels.cpu import launch as cpu
 from kernels.metadata import AttentionMetadata
 
@@ -28,12 +30,17 @@ def model(request) -> LlamaModel:
     return model
 
 
-def _caches(model: LlamaModel, num_blocks: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+def _caches(
+    model: LlamaModel, num_blocks: int, seed: int, kv_dtype: torch.dtype = torch.float32
+) -> list[tuple[torch.Tensor, ...]]:
     """Random caches: the keys before each sequence's new tokens must hold something."""
     cfg, g = model.config, torch.Generator().manual_seed(seed)
     shape = (num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     return [
-        (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        (
+            reference.to_cache(torch.randn(shape, generator=g), kv_dtype),
+            reference.to_cache(torch.randn(shape, generator=g), kv_dtype),
+        )
         for _ in range(cfg.num_layers)
     ]
 
@@ -61,8 +68,13 @@ def _step(query_lens: list[int], context_lens: list[int]):
         ([200], [200]),  # one long prefill: the buffered GEMM kernels
     ],
 )
+@pytest.mark.parametrize(
+    "kv_dtype",
+    [torch.float32, torch.float16, torch.bfloat16, torch.int8],
+    ids=lambda t: "kv_" + str(t).removeprefix("torch."),
+)
 def test_fused_layers_are_bit_identical_to_the_per_op_path(
-    model, query_lens, context_lens, monkeypatch
+    model, query_lens, context_lens, kv_dtype, monkeypatch
 ):
     calls = []
     fused_call = cpu.decoder_layers
@@ -79,7 +91,7 @@ def test_fused_layers_are_bit_identical_to_the_per_op_path(
     results = []
     for fused in (False, True):
         model.fused_layers = fused
-        caches = _caches(model, blocks, seed=7)
+        caches = _caches(model, blocks, seed=7, kv_dtype=kv_dtype)
         out = model.forward(token_ids, positions, caches, meta)
         results.append((out, caches))
     model.fused_layers = True
@@ -87,6 +99,7 @@ def test_fused_layers_are_bit_identical_to_the_per_op_path(
     assert calls == [1]  # the second forward took the fused path, the first did not
     assert torch.equal(out, ref)
     for (k0, v0), (k1, v1) in zip(ref_caches, caches, strict=True):
+        assert k1.dtype == kv_dtype
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
 
 

@@ -103,7 +103,23 @@ def test_silu_mul_including_extreme_values():
     torch.testing.assert_close(cpu.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
 
 
-def test_rope_and_cache_matches_the_model_rotary_and_cache_write():
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
+
+
+def nan_cache(blocks: int, block_size: int, kv_heads: int, dim: int, dtype) -> torch.Tensor:
+    """A cache whose every row reads as NaN: NaN floats, or int8 codes with a NaN scale."""
+    shape = (blocks, block_size, kv_heads, reference.kv_row_width(dim, dtype))
+    if dtype != torch.int8:
+        return torch.full(shape, float("nan"), dtype=dtype)
+    rows = torch.full(shape, 1, dtype=torch.int8)
+    rows[..., dim:] = torch.tensor([float("nan")]).view(torch.int8)
+    return rows
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_rope_and_cache_matches_the_model_rotary_and_cache_write(kv_dtype):
+    """A 16-bit cache holds K and V rounded once, to nearest as torch's .to() rounds: the
+    kernel's write and the reference's give the same bits."""
     from compute.model import RotaryEmbedding
 
     heads, kv_heads, dim, tokens = 6, 2, 32, 5
@@ -111,7 +127,8 @@ def test_rope_and_cache_matches_the_model_rotary_and_cache_write():
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
     positions = torch.tensor([0, 7, 8, 33, 63])
     slots = torch.tensor([3, -1, 0, 17, 9])
-    kc, vc = torch.full((5, 4, kv_heads, dim), float("nan")), torch.full((5, 4, kv_heads, dim), 0.0)
+    kc = nan_cache(5, 4, kv_heads, dim, kv_dtype)
+    vc = torch.zeros_like(kc)
     ref_k, ref_v = kc.clone(), vc.clone()
     q = cpu.rope_and_cache(qkv, positions, rope.cos, rope.sin, kc, vc, slots, heads)
     q_ref, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
@@ -119,17 +136,32 @@ def test_rope_and_cache_matches_the_model_rotary_and_cache_write():
     k = rope(k.reshape(tokens, kv_heads, dim), positions)
     reference.reshape_and_cache(k, v.reshape(tokens, kv_heads, dim), ref_k, ref_v, slots)
     torch.testing.assert_close(q, q_ref)
-    torch.testing.assert_close(kc, ref_k, equal_nan=True)
-    torch.testing.assert_close(vc, ref_v)
+    if kv_dtype == torch.float32:
+        torch.testing.assert_close(kc, ref_k, equal_nan=True)
+        torch.testing.assert_close(vc, ref_v)
+    else:  # the rotation is fp32 on both sides (an ulp apart at most), then one rounding
+        assert torch.equal(vc, ref_v)
+        written = slots[slots >= 0]
+        width = kc.shape[-1]
+        flat = reference.from_cache(kc.view(-1, kv_heads, width)[written])
+        ref_flat = reference.from_cache(ref_k.view(-1, kv_heads, width)[written])
+        if kv_dtype == torch.int8:  # a code apart at most: one step of the row's scale
+            step = flat.abs().amax(-1, keepdim=True) / 127
+            assert ((flat - ref_flat).abs() <= step * 1.01).all()
+        else:
+            ulp = torch.finfo(kv_dtype).eps  # a half-ulp of rounding at most, either side
+            torch.testing.assert_close(flat, ref_flat, rtol=ulp, atol=1e-6)
+        assert (flat == ref_flat).float().mean() > 0.99  # ties of fp32 rotation apart
 
 
-def build_case(seqs, block_size, heads, kv_heads, dim=64, seed=0):
-    """A NaN-filled cache with scattered tables; every sequence's context written."""
+def build_case(seqs, block_size, heads, kv_heads, dim=64, seed=0, kv_dtype=torch.float32):
+    """A NaN-filled cache of kv_dtype with scattered tables; every sequence's context
+    written (the same K/V values whatever the dtype, rounded to it)."""
     torch.manual_seed(seed)
     total = sum(-(-ctx // block_size) for _, ctx in seqs) + 3
     cache = PagedCache(total, block_size, kv_heads)
-    cache.key = torch.full((total, block_size, kv_heads, dim), float("nan"))
-    cache.value = torch.full((total, block_size, kv_heads, dim), float("nan"))
+    cache.key = nan_cache(total, block_size, kv_heads, dim, kv_dtype)
+    cache.value = nan_cache(total, block_size, kv_heads, dim, kv_dtype)
     tables = [cache.new_table(ctx) for _, ctx in seqs]
     full = AttentionMetadata.build([c for _, c in seqs], [c for _, c in seqs], tables, block_size)
     tokens = sum(c for _, c in seqs)
@@ -155,8 +187,10 @@ def build_case(seqs, block_size, heads, kv_heads, dim=64, seed=0):
         [(33, 33)],
     ],
 )
-def test_paged_attention_matches_reference(seqs, block_size):
-    query, cache, meta = build_case(seqs, block_size, heads=9, kv_heads=3)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_paged_attention_matches_reference(seqs, block_size, kv_dtype):
+    """On the same cache (of any dtype: both widen its values exactly), the fp32 bound."""
+    query, cache, meta = build_case(seqs, block_size, heads=9, kv_heads=3, kv_dtype=kv_dtype)
     scale = 64**-0.5
     expected = reference.paged_attention(query, cache.key, cache.value, meta, scale)
     got = cpu.paged_attention(query, cache.key, cache.value, meta, scale)
@@ -164,9 +198,33 @@ def test_paged_attention_matches_reference(seqs, block_size):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_attention_is_batch_invariant_bitwise():
+# A 16- or 8-bit cache against the fp32 one, written from the same fp32 K/V (random normal,
+# head dim 64, scale 1/8): the error is the rounding of K and V (fp16: 2^-11 relative,
+# bf16: 2^-8, int8: half a step of max|row| / 127), carried through softmax and the weighted
+# sum. Measured max |diff| here: fp16 9.8e-4, bf16 7.3e-3, int8 1.7e-2 (kernels and
+# reference alike); the bounds leave 2-3x of room.
+KV_BOUNDS = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.int8: 4e-2}
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(KV_BOUNDS, key=str))
+def test_a_narrow_cache_stays_within_its_bound_of_the_fp32_one(kv_dtype):
+    seqs = [(1, 1), (1, 600), (7, 7), (5, 37), (20, 100)]
+    query, exact, meta = build_case(seqs, 16, heads=9, kv_heads=3)
+    _, cache, _ = build_case(seqs, 16, heads=9, kv_heads=3, kv_dtype=kv_dtype)
+    rounded = reference.to_cache(exact.key, kv_dtype)
+    assert torch.equal(reference.from_cache(cache.key).nan_to_num(),
+                       reference.from_cache(rounded).nan_to_num())  # fmt: skip
+    want = reference.paged_attention(query, exact.key, exact.value, meta, 0.125)
+    for impl in (cpu, reference):
+        got = impl.paged_attention(query, cache.key, cache.value, meta, 0.125)
+        err = (got - want).abs().max().item()
+        assert 0 < err <= KV_BOUNDS[kv_dtype], (impl.__name__, err)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_paged_attention_is_batch_invariant_bitwise(kv_dtype):
     seqs = [(1, 50), (4, 30), (1, 200)]
-    query, cache, meta = build_case(seqs, 16, heads=4, kv_heads=2)
+    query, cache, meta = build_case(seqs, 16, heads=4, kv_heads=2, kv_dtype=kv_dtype)
     together = cpu.paged_attention(query, cache.key, cache.value, meta, 0.125)
     start = 0
     for i, (qlen, ctx) in enumerate(seqs):
@@ -178,12 +236,15 @@ def test_paged_attention_is_batch_invariant_bitwise():
         start += qlen
 
 
-def test_a_query_gives_the_same_bits_decoded_or_in_a_prefill_chunk():
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_query_gives_the_same_bits_decoded_or_in_a_prefill_chunk(kv_dtype):
     """Recomputing a sequence (preemption, a prefix-cache miss) must not change a token: a
     query attends with the same arithmetic alone (decode) as in a prefill chunk, wherever
     the chunk starts and whichever query tile and row block it lands in."""
     ctx, heads, kv_heads = 77, 9, 3
-    query, cache, meta = build_case([(ctx, ctx)], 16, heads=heads, kv_heads=kv_heads)
+    query, cache, meta = build_case(
+        [(ctx, ctx)], 16, heads=heads, kv_heads=kv_heads, kv_dtype=kv_dtype
+    )
     table = meta.block_tables[:, : -(-ctx // 16)].tolist()
     prefill = cpu.paged_attention(query, cache.key, cache.value, meta, 0.125)
     for qlen in (1, 5, 16, 17, 40):  # a suffix of qlen queries as one chunk
@@ -283,7 +344,8 @@ def test_int8_linear_gives_the_same_bits_on_every_isa():
             assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"
 
 
-def test_paged_attention_gives_the_same_bits_on_every_isa():
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_paged_attention_gives_the_same_bits_on_every_isa(kv_dtype):
     """The AVX-512 transpose and the AVX2 build's scalar one feed the same fused
     multiply-adds in the same order."""
     from kernels.cpu import build as cpu_build
@@ -292,7 +354,9 @@ def test_paged_attention_gives_the_same_bits_on_every_isa():
     runnable = [isa for isa, (_, need) in cpu_build.ISA_LEVELS.items() if set(need) <= flags]
     if len(runnable) < 2:
         pytest.skip(f"this CPU runs only {runnable}")
-    query, cache, meta = build_case([(1, 40), (20, 100), (3, 3)], 16, heads=8, kv_heads=2)
+    query, cache, meta = build_case(
+        [(1, 40), (20, 100), (3, 3)], 16, heads=8, kv_heads=2, kv_dtype=kv_dtype
+    )
     outs = []
     for isa in runnable:
         lib = _isa_library(isa)
@@ -303,7 +367,7 @@ def test_paged_attention_gives_the_same_bits_on_every_isa():
             query.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(),
             meta.block_tables.data_ptr(), meta.context_lens.data_ptr(),
             meta.query_start_loc.data_ptr(), meta.num_seqs, 8, 2, 64, 16,
-            meta.block_tables.shape[1], 0.125, out.data_ptr(),
+            meta.block_tables.shape[1], 0.125, out.data_ptr(), cpu.KV_DTYPE_CODES[kv_dtype],
         )  # fmt: skip
         outs.append(out)
     assert not torch.isnan(outs[0]).any()

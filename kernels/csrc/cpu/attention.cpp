@@ -25,7 +25,7 @@
 // Both run the same operations per (row, key) in the same order, and sum a chunk's 16
 // probabilities in the same pairwise tree (hsum's).
 // So a query gives the same bits alone or batched, decoded or in a prefill chunk of any
-// length, on every ISA (tests/test_cpu_kernels.py checks all three).
+// length, on every ISA (tests/kernels/test_cpu_kernels.py checks all three).
 #include <omp.h>
 
 #include <algorithm>
@@ -41,6 +41,7 @@ constexpr int64_t kLaneRows = 8;  // an item with at least this many rows puts r
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;
+  int64_t kv_dtype;  // KvDtype (common.h): what the caches hold
 };
 
 // kt[d * 16 + i] = rows[i][c + d] for d < 16: one 16 x 16 block of a chunk's transpose.
@@ -120,6 +121,7 @@ struct Item {
 struct Scratch {
   std::vector<Row> rows;
   std::vector<float> kt, qt, probs, acc, zeros, maxes, sums;
+  std::vector<float> kw, vw;  // a 16- or 8-bit chunk's K and V rows widened to fp32
 };
 
 // The pairwise tree of hsum (common.h), lane by lane over 16 vectors: out[r] = hsum of
@@ -150,27 +152,45 @@ struct Chunk {
   int64_t n;
 };
 
-// The chunk's rows, and a prefetch of the next chunk's (up to `last`): decode at long
-// contexts streams the cache from DRAM, one scattered 4-line row per key and head.
-inline void chunk_rows(const float* kc, const float* vc, const int32_t* table, const Shape& s,
-                       int64_t kv_head, int64_t t0, int64_t last, Chunk& ch) {
-  const int64_t slot_floats = s.kv_heads * s.dim;
+// The chunk's rows as fp32, and a prefetch of the next chunk's (up to `last`): decode at
+// long contexts streams the cache from DRAM, one scattered row per key and head. An fp32
+// cache is read in place; a 16- or 8-bit one is widened into the scratch rows (so the
+// arithmetic that follows is the fp32 kernel's on the rounded values).
+inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* table,
+                       const Shape& s, int64_t kv_head, int64_t t0, int64_t last, Chunk& ch,
+                       Scratch& sc) {
+  const int64_t row_bytes = kv_row_bytes(s.kv_dtype, s.dim);
+  const int64_t slot_bytes = s.kv_heads * row_bytes;
   auto at = [&](int64_t pos) {
     return (static_cast<int64_t>(table[pos / s.block_size]) * s.block_size +
-            pos % s.block_size) * slot_floats + kv_head * s.dim;
+            pos % s.block_size) * slot_bytes + kv_head * row_bytes;
   };
   ch.n = std::min<int64_t>(kChunk, last - t0);
-  for (int64_t i = 0; i < ch.n; ++i) {
-    const int64_t offset = at(t0 + i);
-    ch.k[i] = kc + offset;
-    ch.v[i] = vc + offset;
+  if (s.kv_dtype == kKvF32) {
+    for (int64_t i = 0; i < ch.n; ++i) {
+      const int64_t offset = at(t0 + i);
+      ch.k[i] = reinterpret_cast<const float*>(kc + offset);
+      ch.v[i] = reinterpret_cast<const float*>(vc + offset);
+    }
+  } else {
+    sc.kw.resize(kChunk * s.dim);
+    sc.vw.resize(kChunk * s.dim);
+    for (int64_t i = 0; i < ch.n; ++i) {
+      const int64_t offset = at(t0 + i);
+      float* k = sc.kw.data() + i * s.dim;
+      float* v = sc.vw.data() + i * s.dim;
+      kv_widen(kc + offset, s.kv_dtype, s.dim, k);
+      kv_widen(vc + offset, s.kv_dtype, s.dim, v);
+      ch.k[i] = k;
+      ch.v[i] = v;
+    }
   }
   const int64_t next = std::min<int64_t>(last, t0 + 2 * kChunk);
   for (int64_t pos = t0 + kChunk; pos < next; ++pos) {
     const int64_t offset = at(pos);
-    for (int64_t d = 0; d < s.dim; d += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(kc + offset + d), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(vc + offset + d), _MM_HINT_T0);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(kc + offset + b), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vc + offset + b), _MM_HINT_T0);
     }
   }
 }
@@ -206,7 +226,7 @@ inline void accumulate(float* acc, const Chunk& ch, const float* p, int64_t stri
 }
 
 // Lanes over the chunk's keys: few rows share the item (decode).
-void attend_rows(const Row* rows, int64_t n_rows, const float* kc, const float* vc,
+void attend_rows(const Row* rows, int64_t n_rows, const uint8_t* kc, const uint8_t* vc,
                  const int32_t* table, const Shape& s, int64_t kv_head, float scale,
                  Scratch& sc) {
   const int64_t dim = s.dim, last = rows[n_rows - 1].visible;
@@ -217,7 +237,7 @@ void attend_rows(const Row* rows, int64_t n_rows, const float* kc, const float* 
   sc.sums.assign(n_rows, 0.0f);
   Chunk ch;
   for (int64_t t0 = 0; t0 < last; t0 += kChunk) {
-    chunk_rows(kc, vc, table, s, kv_head, t0, last, ch);
+    chunk_rows(kc, vc, table, s, kv_head, t0, last, ch, sc);
     for (int64_t i = ch.n; i < kChunk; ++i) ch.k[i] = sc.zeros.data();  // never past the context
     for (int64_t d = 0; d < dim; d += 16) transpose16(ch.k, d, sc.kt.data() + 16 * d);
     for (int64_t r0 = 0; r0 < n_rows; r0 += 8) {
@@ -250,7 +270,7 @@ void attend_rows(const Row* rows, int64_t n_rows, const float* kc, const float* 
 }
 
 // Up to 16 rows in the lanes of each vector.
-void attend_lanes(const Row* rows, int64_t n_rows, const float* kc, const float* vc,
+void attend_lanes(const Row* rows, int64_t n_rows, const uint8_t* kc, const uint8_t* vc,
                   const int32_t* table, const Shape& s, int64_t kv_head, float scale,
                   Scratch& sc) {
   const int64_t dim = s.dim, last = rows[n_rows - 1].visible;
@@ -265,7 +285,7 @@ void attend_lanes(const Row* rows, int64_t n_rows, const float* kc, const float*
     visible[r] = static_cast<float>(r < n_rows ? rows[r].visible : 0);  // exact below 2^24
   Chunk ch;
   for (int64_t t0 = 0; t0 < last; t0 += kChunk) {
-    chunk_rows(kc, vc, table, s, kv_head, t0, last, ch);
+    chunk_rows(kc, vc, table, s, kv_head, t0, last, ch, sc);
     v16f sc16[kChunk];  // scores: sc16[i][r] = row r against key i
     for (int64_t i0 = 0; i0 < ch.n; i0 += 8) {
       const int nk = static_cast<int>(std::min<int64_t>(8, ch.n - i0));
@@ -305,7 +325,7 @@ void attend_lanes(const Row* rows, int64_t n_rows, const float* kc, const float*
   }
 }
 
-void attend_item(const Item& w, const float* query, const float* kc, const float* vc,
+void attend_item(const Item& w, const float* query, const uint8_t* kc, const uint8_t* vc,
                  const int32_t* block_tables, const int32_t* context_lens,
                  const int32_t* query_start, const Shape& s, float scale, float* out,
                  Scratch& sc) {
@@ -330,15 +350,18 @@ void attend_item(const Item& w, const float* query, const float* kc, const float
 }  // namespace
 
 // out[t, h, :] = attention of query t, head h over its sequence's cache (see top).
-// query/out [T, H, D] fp32; caches [N, B, Hkv, D] fp32; block_tables int32 [S, W];
-// context_lens int32 [S]; query_start int32 [S + 1]. D % 16 == 0, H % Hkv == 0.
-HR_EXPORT void hr_paged_attention(const float* query, const float* key_cache,
-                                  const float* value_cache, const int32_t* block_tables,
+// query/out [T, H, D] fp32; caches [N, B, Hkv, D] of kv_dtype (KvDtype: fp32, fp16,
+// bf16); block_tables int32 [S, W]; context_lens int32 [S]; query_start int32 [S + 1].
+// D % 16 == 0, H % Hkv == 0.
+HR_EXPORT void hr_paged_attention(const float* query, const void* key_cache,
+                                  const void* value_cache, const int32_t* block_tables,
                                   const int32_t* context_lens, const int32_t* query_start,
                                   int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                                   int64_t block_size, int64_t table_width, float scale,
-                                  float* out) {
-  const Shape s{heads, kv_heads, dim, block_size, table_width};
+                                  float* out, int64_t kv_dtype) {
+  const Shape s{heads, kv_heads, dim, block_size, table_width, kv_dtype};
+  const uint8_t* kc = static_cast<const uint8_t*>(key_cache);
+  const uint8_t* vc = static_cast<const uint8_t*>(value_cache);
   const int64_t group = heads / kv_heads;
   int64_t work = 0;  // query x visible-key pairs, times the head dimension, over all heads
   for (int32_t i = 0; i < num_seqs; ++i)
@@ -360,19 +383,21 @@ HR_EXPORT void hr_paged_attention(const float* query, const float* key_cache,
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < count; ++it)
-      attend_item(items[it], query, key_cache, value_cache, block_tables, context_lens,
+      attend_item(items[it], query, kc, vc, block_tables, context_lens,
                   query_start, s, scale, out, scratch);
   }
 }
 
 // Rotary embedding (HF rotate_half layout) of the q and k parts of a fused q|k|v row,
 // then the cache write: q_out [T, H, D] gets rotated q; k (rotated) and v go to the
-// caches at slot_mapping[t] (-1 = skip). cos/sin tables [max_pos, D].
+// caches (of kv_dtype, rounded to nearest once) at slot_mapping[t] (-1 = skip). cos/sin
+// tables [max_pos, D].
 HR_EXPORT void hr_rope_and_cache(const float* qkv, const int64_t* positions, const float* cos,
                                  const float* sin, const int64_t* slot_mapping, int64_t tokens,
                                  int64_t heads, int64_t kv_heads, int64_t dim, float* q_out,
-                                 float* key_cache, float* value_cache) {
+                                 void* key_cache, void* value_cache, int64_t kv_dtype) {
   const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+  const int64_t row_bytes = kv_row_bytes(kv_dtype, dim);
 #pragma omp parallel for schedule(static) if (tokens >= 16)
   for (int64_t t = 0; t < tokens; ++t) {
     const float* row = qkv + t * width;
@@ -387,11 +412,18 @@ HR_EXPORT void hr_rope_and_cache(const float* qkv, const int64_t* positions, con
     };
     for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, q_out + (t * heads + h) * dim);
     if (slot < 0) continue;
-    float* kdst = key_cache + slot * kv_heads * dim;
-    float* vdst = value_cache + slot * kv_heads * dim;
+    uint8_t* kdst = static_cast<uint8_t*>(key_cache) + slot * kv_heads * row_bytes;
+    uint8_t* vdst = static_cast<uint8_t*>(value_cache) + slot * kv_heads * row_bytes;
+    std::vector<float> k(kv_dtype == kKvF32 ? 0 : dim);
     for (int64_t g = 0; g < kv_heads; ++g) {
-      rotate(row + (heads + g) * dim, kdst + g * dim);
-      std::memcpy(vdst + g * dim, row + (heads + kv_heads + g) * dim, dim * sizeof(float));
+      const float* v = row + (heads + kv_heads + g) * dim;
+      if (kv_dtype == kKvF32) {
+        rotate(row + (heads + g) * dim, reinterpret_cast<float*>(kdst + g * row_bytes));
+      } else {
+        rotate(row + (heads + g) * dim, k.data());
+        kv_narrow(k.data(), kv_dtype, dim, kdst + g * row_bytes);
+      }
+      kv_narrow(v, kv_dtype, dim, vdst + g * row_bytes);
     }
   }
 }

@@ -8,6 +8,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -160,13 +161,91 @@ HR_EXPORT void hr_rms_norm(const float* x, const float* weight, float* out, int6
 HR_EXPORT void hr_add_rms_norm(const float* x, float* residual, const float* weight, float* out,
                                int64_t n, int64_t h, float eps);
 HR_EXPORT void hr_silu_mul(const float* gate_up, float* out, int64_t n, int64_t inter);
-HR_EXPORT void hr_paged_attention(const float* query, const float* key_cache,
-                                  const float* value_cache, const int32_t* block_tables,
+
+// KV cache element types (kernels/cpu.py KV_DTYPE_CODES): the cache holds K and V rounded
+// once to this type when written; every read widens them back to fp32 (exactly), so the
+// attention arithmetic after the read is the same whatever the type.
+// int8: one row (a token's head, D values) is D int8 codes then its fp32 scale d (4 bytes,
+// D + 4 in all): value = code * d, d = max|x| / 127, code = round(x * (127 / max|x|)) --
+// per token and head, so a token's codes depend on nothing but its own K/V row (written
+// alone or in any chunk, the same bytes).
+enum KvDtype : int64_t { kKvF32 = 0, kKvF16 = 1, kKvBf16 = 2, kKvI8 = 3 };
+
+// Bytes of one cache row of `dim` values.
+static inline int64_t kv_row_bytes(int64_t kv_dtype, int64_t dim) {
+  switch (kv_dtype) {
+    case kKvF32: return 4 * dim;
+    case kKvI8: return dim + 4;
+    default: return 2 * dim;
+  }
+}
+
+// One cache row of n values at src (of type kv_dtype) widened to floats at dst.
+static inline void kv_widen(const void* src, int64_t kv_dtype, int64_t n, float* dst) {
+  if (kv_dtype == kKvI8) {
+    const int8_t* codes = static_cast<const int8_t*>(src);
+    float d;
+    std::memcpy(&d, codes + n, 4);
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(codes[i]) * d;
+  } else if (kv_dtype == kKvF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if (kv_dtype == kKvF16) {
+    halves_to_float(static_cast<const uint8_t*>(src), n, dst);
+  } else {
+    const uint16_t* h = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(h[i]) << 16;
+      std::memcpy(dst + i, &bits, 4);
+    }
+  }
+}
+
+// A row of n floats rounded to the cache type (to nearest, ties to even: torch's .to()
+// rounding; int8 as kernels/reference.py quantizes a row).
+static inline void kv_narrow(const float* src, int64_t kv_dtype, int64_t n, void* dst) {
+  if (kv_dtype == kKvI8) {
+    int8_t* codes = static_cast<int8_t*>(dst);
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(src[i]));
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float c = std::nearbyint(src[i] * inv);  // ties to even, as torch.round
+      codes[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, c)));
+    }
+    std::memcpy(codes + n, &d, 4);
+  } else if (kv_dtype == kKvF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if (kv_dtype == kKvF16) {
+    uint8_t* out = static_cast<uint8_t*>(dst);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; ++i) {
+      const uint16_t h = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+      std::memcpy(out + 2 * i, &h, 2);
+    }
+  } else {
+    uint16_t* out = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, src + i, 4);
+      if ((bits & 0x7fffffffu) > 0x7f800000u)  // NaN: keep it a (quiet) NaN
+        out[i] = static_cast<uint16_t>((bits >> 16) | 0x40);
+      else
+        out[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+  }
+}
+
+// The attention entry points (attention.cpp), caches of KvDtype kv_dtype.
+HR_EXPORT void hr_paged_attention(const float* query, const void* key_cache,
+                                  const void* value_cache, const int32_t* block_tables,
                                   const int32_t* context_lens, const int32_t* query_start,
                                   int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                                   int64_t block_size, int64_t table_width, float scale,
-                                  float* out);
+                                  float* out, int64_t kv_dtype);
 HR_EXPORT void hr_rope_and_cache(const float* qkv, const int64_t* positions, const float* cos,
                                  const float* sin, const int64_t* slot_mapping, int64_t tokens,
                                  int64_t heads, int64_t kv_heads, int64_t dim, float* q_out,
-                                 float* key_cache, float* value_cache);
+                                 void* key_cache, void* value_cache, int64_t kv_dtype);

@@ -33,7 +33,8 @@ inline void project(const int64_t* layer, int64_t p, bool int8, const float* x, 
 // x [T, H]: the first layer's normed input; on return the last layer's output after the
 // final norm. hidden [T, H]: the residual stream, updated in place. Scratch: qkv
 // [T, (heads + 2 kv_heads) dim], q and attn [T, heads dim], tmp [T, H], gate_up [T, 2 I],
-// act [T, I]. Attention metadata as hr_paged_attention takes it; every query row must
+// act [T, I]. Caches of kv_dtype (KvDtype). Attention metadata as hr_paged_attention takes
+// it; every query row must
 // belong to a sequence (no padding rows).
 HR_EXPORT void hr_decoder_layers(const int64_t* layers, int64_t num_layers, int64_t int8,
                                  float* x, float* hidden, int64_t tokens, int64_t h,
@@ -44,17 +45,18 @@ HR_EXPORT void hr_decoder_layers(const int64_t* layers, int64_t num_layers, int6
                                  const int32_t* query_start, int64_t num_seqs,
                                  int64_t block_size, int64_t table_width, float scale,
                                  float* qkv, float* q, float* attn, float* tmp, float* gate_up,
-                                 float* act) {
+                                 float* act, int64_t kv_dtype) {
   const bool q8 = int8 != 0;
   for (int64_t i = 0; i < num_layers; ++i) {
     const int64_t* layer = layers + i * kLayerFields;
-    float* key_cache = ptr<float>(layer, kKeyCache);
-    float* value_cache = ptr<float>(layer, kValueCache);
+    void* key_cache = ptr<void>(layer, kKeyCache);
+    void* value_cache = ptr<void>(layer, kValueCache);
     project(layer, kQkv, q8, x, tokens, h, qkv);
     hr_rope_and_cache(qkv, positions, cos, sin, slot_mapping, tokens, heads, kv_heads, dim, q,
-                      key_cache, value_cache);
+                      key_cache, value_cache, kv_dtype);
     hr_paged_attention(q, key_cache, value_cache, block_tables, context_lens, query_start,
-                       num_seqs, heads, kv_heads, dim, block_size, table_width, scale, attn);
+                       num_seqs, heads, kv_heads, dim, block_size, table_width, scale, attn,
+                       kv_dtype);
     project(layer, kO, q8, attn, tokens, heads * dim, tmp);
     hr_add_rms_norm(tmp, hidden, ptr<const float>(layer, kPostNorm), x, tokens, h, eps);
     project(layer, kGateUp, q8, x, tokens, h, gate_up);

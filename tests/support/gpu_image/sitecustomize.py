@@ -1,7 +1,7 @@
 """Makes this interpreter look like the GPU machine's image: the top-level modules named in
 HEADRACE_BLOCKED_MODULES (comma-separated) cannot be imported, and the distributions named
 in HEADRACE_BLOCKED_DISTS are not listed by importlib.metadata (so pytest loads no plugin
-of theirs). tests/test_gpu_check.py puts this folder first on PYTHONPATH of a subprocess;
+of theirs). tests/bench/test_gpu_check.py puts this folder first on PYTHONPATH of a subprocess;
 Python imports ``sitecustomize`` at start-up. Nothing else uses it."""
 
 import importlib.metadata
