@@ -16,22 +16,15 @@ import argparse
 import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
 from services.security.auth_tokens import read_tokens
+from services.security.tls import read_flag_file
 
 TOKEN_ENV = "HEADRACE_AUTH_TOKEN"
 _ENV = "HEADRACE_CLIENT_"
 Options = Sequence[tuple[str, object]]
-
-
-def _read(path: str, flag: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{flag}: cannot read {path}: {exc.strerror or 'error'}") from None
 
 
 @dataclass(frozen=True)
@@ -71,9 +64,9 @@ class ClientSecurity:
 
     def credentials(self) -> grpc.ChannelCredentials:
         """TLS channel credentials (reads the files: ValueError naming the flag)."""
-        ca = _read(self.ca, "--tls-ca") if self.ca else None
-        key = _read(self.key, "--tls-key") if self.key else None
-        cert = _read(self.cert, "--tls-cert") if self.cert else None
+        ca = read_flag_file(self.ca, "--tls-ca") if self.ca else None
+        key = read_flag_file(self.key, "--tls-key") if self.key else None
+        cert = read_flag_file(self.cert, "--tls-cert") if self.cert else None
         return grpc.ssl_channel_credentials(ca, key, cert)
 
     def _options(self, options: Options) -> list[tuple[str, object]]:
