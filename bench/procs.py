@@ -78,8 +78,8 @@ def free_port() -> int:
 class ServerProcess:
     """A server child process whose output goes to a temporary log file.
 
-    ``start`` blocks until ``ready(log_text)`` returns a value other than None (that value is
-    kept as ``ready_value``), the process exits (RuntimeError with the log's tail) or
+    ``start`` blocks until ``ready(log_text)`` returns a value other than None (and returns
+    it), the process exits (RuntimeError with the log's tail) or
     ``timeout`` passes (TimeoutError). ``stop`` sends SIGTERM (the servers drain), then kills.
     """
 
@@ -88,7 +88,6 @@ class ServerProcess:
         self._tmp = tempfile.TemporaryDirectory(prefix="cpu-compare-")
         self.log_path = Path(self._tmp.name) / "server.log"
         self.proc: subprocess.Popen | None = None
-        self.ready_value: Any = None
         self.start_s: float | None = None
 
     @property
@@ -107,7 +106,7 @@ class ServerProcess:
         while time.monotonic() < deadline:
             value = ready(self.log_text())
             if value is not None:
-                self.ready_value, self.start_s = value, round(time.perf_counter() - t0, 2)
+                self.start_s = round(time.perf_counter() - t0, 2)
                 return value
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")

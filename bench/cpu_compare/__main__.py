@@ -102,17 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    positive = (
-        "threads",
-        "reps",
-        "llama_parallel",
-        "static_batch_size",
-        "new_tokens",
-        "decode_prompt_len",
-        "ttft_prompt_len",
-        "num_requests",
-        "prompt_min",
-    )
+    positive = ("threads", "reps", "llama_parallel", "static_batch_size", "new_tokens",
+                "decode_prompt_len", "ttft_prompt_len", "num_requests", "prompt_min")  # fmt: skip
     for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

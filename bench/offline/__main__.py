@@ -31,8 +31,15 @@ from bench.offline.engine import run_all_headrace
 from bench.offline.hf import run_hf
 from bench.offline.report import assemble, plot, report
 from bench.offline.workload import make_workload, model_vocab_size
+from services.bench.flags import add_rows
 
 SYSTEMS = ("headrace", "hf-static", "hf-single")
+
+
+_EXTRA_RUNS = (  # (flag, type, default, help)
+    ("--sweep-max-num-seqs", None, "", "max_num_seqs values ('' = skip; --full: 1,4,16,64)"),
+    ("--compare-prefill-intervals", None, "", "prefill_interval values ('' = skip; --full: 0,4)"),
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,16 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     _add_system_flags(p.add_argument_group("systems"))
     x = p.add_argument_group("extra headrace runs (same workload)")
-    x.add_argument(
-        "--sweep-max-num-seqs",
-        default="",
-        help="max_num_seqs values ('' = skip; --full: 1,4,16,64)",
-    )
-    x.add_argument(
-        "--compare-prefill-intervals",
-        default="",
-        help="prefill_interval values ('' = skip; --full: 0,4)",
-    )
+    add_rows(x, _EXTRA_RUNS)
     x.add_argument(
         "--full",
         action="store_true",

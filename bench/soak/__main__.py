@@ -46,7 +46,7 @@ from bench.soak.requests import Planner, Shape, parse_mix
 from services.bench import command, report, workload
 from services.bench.launch import launched_process
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
 
 
 class Phases:
@@ -235,18 +235,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_summary(record: dict[str, Any], path: Path) -> None:
     s = record["summary"]
-    print(
-        json.dumps(
-            {
-                "rss": s["rss"],
-                "kv_after_load": s["kv_after_load"],
-                "goals": s["goals"],
-                "unexpected_by_code": s["requests"]["unexpected_by_code"],
-                "memory": s["memory"],
-            },
-            indent=2,
-        )
-    )
+    shown = {k: s[k] for k in ("rss", "kv_after_load", "goals")}
+    shown |= {"unexpected_by_code": s["requests"]["unexpected_by_code"], "memory": s["memory"]}
+    print(json.dumps(shown, indent=2))
     print(f"wrote {path} and {path.with_suffix('.png').name}")
 
 

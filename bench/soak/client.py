@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -105,7 +106,7 @@ async def drive(
     for those in flight; the records in send order."""
     t0 = time.perf_counter() if t0 is None else t0
     start = time.perf_counter() - t0
-    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    gate = asyncio.Semaphore(max_concurrency or sys.maxsize)  # no cap: never waits
     records: list[SoakRecord] = []
     tasks: set[asyncio.Task] = set()
     async with grpc.aio.insecure_channel(target, options=OPTIONS) as channel:
@@ -120,8 +121,7 @@ async def drive(
             try:
                 await send(calls[plan.method], plan, record, t0)
             finally:
-                if gate is not None:
-                    gate.release()
+                gate.release()
             if on_record is not None:
                 on_record(record)
 
@@ -129,11 +129,9 @@ async def drive(
             delay = start + offset - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            if gate is not None:
-                await gate.acquire()
+            await gate.acquire()
             if time.perf_counter() - t0 >= start + duration:
-                if gate is not None:
-                    gate.release()
+                gate.release()
                 break
             plan = next_plan()
             record = SoakRecord(len(records), plan.kind, plan.variant, 0.0)

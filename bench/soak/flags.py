@@ -6,11 +6,41 @@ import argparse
 from pathlib import Path
 
 from bench.soak.requests import parse_mix
+from services.bench.flags import add_rows
 
 DEFAULT_MIX = "normal:70,cancel:8,deadline:7,bad:13,oversized:2"
 EPILOG = """Flags after `--` go to the launched `headrace serve`, e.g.
   python -m bench.soak --duration 90 -- --model dummy:tiny
   python -m bench.soak --server localhost:50051 --server-pid 12345 --server-log serve.log"""
+
+
+_WARMUP = "its first seconds that are warm-up (default: 10%% of --duration, at most 120)"
+_RATE = "requests/s of the whole mix, or 'auto': --load-fraction of a capacity measured first"
+_MOST = "most requests in flight; alone (no --request-rate): a closed loop of this many"
+_BURST = "normal requests in the all-at-once capacity burst (default 16)"
+_WINDOW = "latency/error window (s; default 60, or --duration/10 when shorter)"
+_LOAD = (  # (flag, type, default, help), in --help order
+    ("--duration", float, 1200.0, "seconds of load (default 1200)"),
+    ("--warmup", float, None, _WARMUP),
+    ("--request-rate", None, "auto", _RATE + " (default auto)"),
+    ("--load-fraction", float, 0.5, "of capacity (default 0.5)"),
+    ("--calibrate-requests", int, 16, _BURST),
+    ("--max-concurrency", int, None, _MOST),
+    ("--burstiness", float, 1.0, "gamma shape (1 = Poisson)"),
+    ("--mix", None, DEFAULT_MIX, f"kind weights (default {DEFAULT_MIX})"),
+    ("--input-len", int, 128, "normal prompt tokens, centre"),
+    ("--output-len", int, 64, "normal max_tokens, centre"),
+    ("--range-ratio", float, 0.9, "lengths uniform in len*(1 +- ratio) (default 0.9)"),
+)
+_MEASURING = (
+    ("--sample-interval", float, 1.0, "RSS and /metrics (s)"),
+    ("--window", float, None, _WINDOW),
+    ("--idle-seconds", float, 10.0, "idle before and after (s)"),
+    ("--drain-timeout", float, 120.0, "wait for in-flight requests, then for an idle engine (s)"),
+    ("--rss-span", float, 30.0, "seconds of samples whose median is an RSS figure (default 30)"),
+    ("--rss-growth-limit", float, 5.0, "goal, %% (default 5)"),
+    ("--progress-every", float, 30.0, "progress line period (s)"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,76 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--server", metavar="HOST:PORT", help="use this server (default: launch one)")
     g.add_argument("--server-pid", type=int, help="with --server: its pid, for RSS (/proc)")
     g.add_argument("--server-log", type=Path, help="with --server: its JSON log, for 'memory'")
-    g.add_argument(
-        "--metrics-url",
-        help="its /metrics (default: the launched one's, or "
-        "http://HOST:9400/metrics; 'none' to skip)",
-    )
+    metrics = "its /metrics (default: the launched one's, or http://HOST:9400/metrics; "
+    g.add_argument("--metrics-url", help=metrics + "'none' to skip)")
     g.add_argument("--ready-timeout", type=float, default=600.0, help="launch wait (s)")
     g = p.add_argument_group("load")
-    g.add_argument("--duration", type=float, default=1200.0, help="seconds of load (default 1200)")
-    g.add_argument(
-        "--warmup",
-        type=float,
-        help="its first seconds that are warm-up (default: 10%% of --duration, at most 120)",
-    )
-    g.add_argument(
-        "--request-rate",
-        default="auto",
-        help="requests/s of the whole mix, or "
-        "'auto': --load-fraction of a capacity measured first (default auto)",
-    )
-    g.add_argument("--load-fraction", type=float, default=0.5, help="of capacity (default 0.5)")
-    g.add_argument(
-        "--calibrate-requests",
-        type=int,
-        default=16,
-        help="normal requests in the all-at-once capacity burst (default 16)",
-    )
-    g.add_argument(
-        "--max-concurrency",
-        type=int,
-        help="most requests in flight; alone (no --request-rate): a closed loop of this many",
-    )
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
-    g.add_argument("--mix", default=DEFAULT_MIX, help=f"kind weights (default {DEFAULT_MIX})")
-    g.add_argument("--input-len", type=int, default=128, help="normal prompt tokens, centre")
-    g.add_argument("--output-len", type=int, default=64, help="normal max_tokens, centre")
-    g.add_argument(
-        "--range-ratio",
-        type=float,
-        default=0.9,
-        help="lengths uniform in len*(1 +- ratio) (default 0.9)",
-    )
-    g.add_argument(
-        "--oversized-mib",
-        type=_floats,
-        default=[2.0, 6.0, 12.0],
-        help="oversized prompt sizes, cycled (default 2,6,12)",
-    )
+    add_rows(g, _LOAD)
+    sizes = "oversized prompt sizes, cycled (default 2,6,12)"
+    g.add_argument("--oversized-mib", type=_floats, default=[2.0, 6.0, 12.0], help=sizes)
     g.add_argument("--seed", type=int, default=0, help="workload and arrivals seed")
-    g = p.add_argument_group("measuring")
-    g.add_argument("--sample-interval", type=float, default=1.0, help="RSS and /metrics (s)")
-    g.add_argument(
-        "--window",
-        type=float,
-        help="latency/error window (s; default 60, or --duration/10 when shorter)",
-    )
-    g.add_argument("--idle-seconds", type=float, default=10.0, help="idle before and after (s)")
-    g.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=120.0,
-        help="wait for in-flight requests, then for an idle engine (s)",
-    )
-    g.add_argument(
-        "--rss-span",
-        type=float,
-        default=30.0,
-        help="seconds of samples whose median is an RSS figure (default 30)",
-    )
-    g.add_argument("--rss-growth-limit", type=float, default=5.0, help="goal, %% (default 5)")
-    g.add_argument("--progress-every", type=float, default=30.0, help="progress line period (s)")
+    add_rows(p.add_argument_group("measuring"), _MEASURING)
     g = p.add_argument_group("output")
     g.add_argument("--out-dir", type=Path, help="default bench/results")
     g.add_argument("--name", default="soak", help="file name prefix (default soak)")

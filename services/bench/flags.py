@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from services.bench.stats import parse_slos
 from services.client import client_security
@@ -61,6 +62,31 @@ def _add_target_flags(p: argparse.ArgumentParser, default_server: str) -> None:
     g.add_argument("serve_args", nargs="*", metavar="-- SERVE_FLAGS", help=argparse.SUPPRESS)
 
 
+# Plain options, (flag, type, default, help) in --help order.
+_RANDOM = (
+    ("--input-len", int, 128, "random prompt tokens (default 128)"),
+    ("--output-len", int, 64, "max_tokens (default 64)"),
+    ("--range-ratio", float, 0.0, "random lengths uniform in len*(1 +- ratio) (default 0)"),
+    ("--prefix-len", int, 0, "tokens of shared prefix on every random prompt (prefix caching)"),
+)
+_SAMPLING = (
+    ("--temperature", float, 0.0, "sampling temperature"),
+    ("--seed", int, 0, "workload, arrivals and sampling seed"),
+)
+_LOAD = (
+    ("--num-requests", int, 100, "measured requests per run"),
+    ("--warmup", int, 2, "unmeasured requests first (default 2)"),
+    ("--request-rate", float, math.inf, "mean requests/s (default inf: all at once)"),
+    ("--burstiness", float, 1.0, "gamma shape of arrivals: 1 = Poisson, <1 burstier (default 1)"),
+)
+
+
+def add_rows(group: argparse._ArgumentGroup, rows: tuple[tuple[str, Any, Any, str], ...]) -> None:
+    """Add plain ``(flag, type, default, help)`` options (type None: a string)."""
+    for flag, kind, default, text in rows:
+        group.add_argument(flag, type=kind, default=default, help=text)
+
+
 def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument(
@@ -76,41 +102,14 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
         default="Write a short story about a lighthouse keeper.",
         help="the fixed workload's prompt",
     )
-    g.add_argument("--input-len", type=int, default=128, help="random prompt tokens (default 128)")
-    g.add_argument("--output-len", type=int, default=64, help="max_tokens (default 64)")
-    g.add_argument(
-        "--range-ratio",
-        type=float,
-        default=0.0,
-        help="random lengths uniform in len*(1 +- ratio) (default 0)",
-    )
-    g.add_argument(
-        "--prefix-len",
-        type=int,
-        default=0,
-        help="tokens of shared prefix on every random prompt (prefix caching)",
-    )
+    add_rows(g, _RANDOM)
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
-    g.add_argument("--seed", type=int, default=0, help="workload, arrivals and sampling seed")
+    add_rows(g, _SAMPLING)
 
 
 def _add_load_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load")
-    g.add_argument("--num-requests", type=int, default=100, help="measured requests per run")
-    g.add_argument("--warmup", type=int, default=2, help="unmeasured requests first (default 2)")
-    g.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="mean requests/s (default inf: all at once)",
-    )
-    g.add_argument(
-        "--burstiness",
-        type=float,
-        default=1.0,
-        help="gamma shape of arrivals: 1 = Poisson, <1 burstier (default 1)",
-    )
+    add_rows(g, _LOAD)
     g.add_argument(
         "--sweep-rate",
         metavar="R1,R2,...",

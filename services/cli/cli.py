@@ -174,6 +174,10 @@ def _announce(server: Any) -> None:
     )
 
 
+# generate's flags that go into the request as they are
+_REQUEST_OPTIONS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "request_id")
+
+
 def _generate(args: argparse.Namespace) -> int:
     from services.client import client
     from services.telemetry import log
@@ -182,17 +186,9 @@ def _generate(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else args.chat
     if text is None:
         text = sys.stdin.read()
-    request = client.generate_request(
-        text if args.chat is None else None,
-        chat=[("user", text)] if args.chat is not None else None,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        stop=args.stop,
-        request_id=args.request_id,
-    )
+    chat = [("user", text)] if args.chat is not None else None
+    options = {k: getattr(args, k) for k in _REQUEST_OPTIONS}
+    request = client.generate_request(None if chat else text, chat=chat, **options)
     if args.offline:
         configs = build_configs(args)
         with client.OfflineClient(configs.engine, configs.pipeline) as offline:

@@ -16,22 +16,15 @@ import argparse
 import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
 from services.security.auth_tokens import read_tokens
+from services.security.tls import read_flag_file
 
 TOKEN_ENV = "HEADRACE_AUTH_TOKEN"
 _ENV = "HEADRACE_CLIENT_"
 Options = Sequence[tuple[str, object]]
-
-
-def _read(path: str, flag: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{flag}: cannot read {path}: {exc.strerror or 'error'}") from None
 
 
 @dataclass(frozen=True)
@@ -71,9 +64,9 @@ class ClientSecurity:
 
     def credentials(self) -> grpc.ChannelCredentials:
         """TLS channel credentials (reads the files: ValueError naming the flag)."""
-        ca = _read(self.ca, "--tls-ca") if self.ca else None
-        key = _read(self.key, "--tls-key") if self.key else None
-        cert = _read(self.cert, "--tls-cert") if self.cert else None
+        ca = read_flag_file(self.ca, "--tls-ca") if self.ca else None
+        key = read_flag_file(self.key, "--tls-key") if self.key else None
+        cert = read_flag_file(self.cert, "--tls-cert") if self.cert else None
         return grpc.ssl_channel_credentials(ca, key, cert)
 
     def _options(self, options: Options) -> list[tuple[str, object]]:
@@ -103,51 +96,28 @@ class ClientSecurity:
         return context
 
 
+# The TLS file/name flags: (flag, metavar, help); dest ``client_*``, env ``HEADRACE_CLIENT_*``.
+_SERVER_NAME = "name the server's certificate must carry (default: the --server host)"
+_TLS_FLAGS = (
+    ("--tls-ca", "FILE", "PEM CA that signed the server's certificate (default: the system's)"),
+    ("--tls-cert", "FILE", "PEM client certificate, for mutual TLS"),
+    ("--tls-key", "FILE", "its PEM private key"),
+    ("--tls-server-name", "NAME", _SERVER_NAME),
+)
+
+
 def add_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     """``--tls``, ``--tls-ca``, ``--tls-cert``, ``--tls-key``, ``--tls-server-name``,
     ``--auth-token-file`` (dests ``client_*``, so they never set the server's config)."""
     g = parser.add_argument_group("TLS and auth (see docs/security.md)")
-
-    def env(name: str) -> str | None:
-        return environ.get(_ENV + name) or None
-
-    g.add_argument(
-        "--tls",
-        dest="client_tls",
-        action="store_true",
-        default=env("TLS") in ("1", "true", "yes", "on"),
-        help=f"connect with TLS (implied by the options below) [env {_ENV}TLS]",
-    )
-    g.add_argument(
-        "--tls-ca",
-        dest="client_tls_ca",
-        metavar="FILE",
-        default=env("TLS_CA"),
-        help="PEM CA that signed the server's certificate (default: the system's) "
-        f"[env {_ENV}TLS_CA]",
-    )
-    g.add_argument(
-        "--tls-cert",
-        dest="client_tls_cert",
-        metavar="FILE",
-        default=env("TLS_CERT"),
-        help=f"PEM client certificate, for mutual TLS [env {_ENV}TLS_CERT]",
-    )
-    g.add_argument(
-        "--tls-key",
-        dest="client_tls_key",
-        metavar="FILE",
-        default=env("TLS_KEY"),
-        help=f"its PEM private key [env {_ENV}TLS_KEY]",
-    )
-    g.add_argument(
-        "--tls-server-name",
-        dest="client_tls_server_name",
-        metavar="NAME",
-        default=env("TLS_SERVER_NAME"),
-        help="name the server's certificate must carry (default: the --server "
-        f"host) [env {_ENV}TLS_SERVER_NAME]",
-    )
+    tls = environ.get(_ENV + "TLS") in ("1", "true", "yes", "on")
+    text = f"connect with TLS (implied by the options below) [env {_ENV}TLS]"
+    g.add_argument("--tls", dest="client_tls", action="store_true", default=tls, help=text)
+    for flag, metavar, text in _TLS_FLAGS:
+        name = flag[2:].replace("-", "_")
+        env = _ENV + name.upper()
+        dest, default, text = "client_" + name, environ.get(env) or None, f"{text} [env {env}]"
+        g.add_argument(flag, dest=dest, metavar=metavar, default=default, help=text)
     g.add_argument(
         "--auth-token-file",
         dest="client_auth_token_file",

@@ -36,14 +36,12 @@ class RequestStream:
         self.loop = loop
         self._pending: deque[Event] = deque()
         self._ready = asyncio.Event()
-        self.num_coalesced = 0  # chunks merged into a pending one: the reader was slow
 
     def put(self, event: Event) -> None:
         """Called on ``loop``'s thread only."""
         last = self._pending[-1] if self._pending else None
         if isinstance(event, Chunk) and isinstance(last, Chunk):
-            self._pending[-1] = merge_chunks(last, event)
-            self.num_coalesced += 1
+            self._pending[-1] = merge_chunks(last, event)  # the reader was slow
         else:
             self._pending.append(event)
         self._ready.set()

@@ -42,7 +42,8 @@ class CertificateSet:
     client_ca: bytes | None
 
 
-def _read(path: str, flag: str) -> bytes:
+def read_flag_file(path: str, flag: str) -> bytes:
+    """The bytes of the file a flag names; ValueError naming the flag when unreadable."""
     try:
         return Path(path).read_bytes()
     except OSError as exc:
@@ -52,7 +53,7 @@ def _read(path: str, flag: str) -> bytes:
 def read_certificates(cert: str, key: str, client_ca: str | None = None) -> CertificateSet:
     """The three files' bytes, checked: a PEM chain and the private key that matches it, and
     a PEM CA bundle; ValueError naming the flag otherwise."""
-    loaded = CertificateSet(_read(cert, CERT_FLAG), _read(key, KEY_FLAG), None)
+    loaded = CertificateSet(read_flag_file(cert, CERT_FLAG), read_flag_file(key, KEY_FLAG), None)
     if b"-----BEGIN CERTIFICATE-----" not in loaded.cert:
         raise ValueError(f"{CERT_FLAG}: {cert} holds no PEM certificate")
     if b"PRIVATE KEY-----" not in loaded.key:
@@ -66,7 +67,7 @@ def read_certificates(cert: str, key: str, client_ca: str | None = None) -> Cert
         ) from None
     if client_ca is None:
         return loaded
-    ca = _read(client_ca, CLIENT_CA_FLAG)
+    ca = read_flag_file(client_ca, CLIENT_CA_FLAG)
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cadata=ca.decode("ascii"))
     except (ssl.SSLError, UnicodeDecodeError, ValueError):
