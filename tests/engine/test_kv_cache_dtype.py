@@ -4,7 +4,8 @@ each 16- and 8-bit cache dtype, on the embedded model.
 
 The kernels' agreement with the fp32 cache on the same inputs is in
 tests/kernels/test_cpu_kernels.py, the fused decoder call in
-tests/kernels/test_cpu_decoder.py, and the agreement with HF (teacher-forced top-1, perplexity) in tests/engine/test_parity.py.
+tests/kernels/test_cpu_decoder.py, and the agreement with HF (teacher-forced top-1,
+perplexity) in tests/engine/test_parity.py.
 """
 
 from __future__ import annotations
