@@ -184,3 +184,19 @@ def test_async_output_is_refused_with_speculation() -> None:
             EngineConfig(device=DeviceConfig(device="cpu", async_output=True), speculative=NGRAM),
             loaded=shared_model(),
         )
+
+
+def test_greedy_identical_on_the_torch_path() -> None:
+    """The torch attention path (``--cpu-kernels torch``) scores drafts as well."""
+
+    def engine(spec: SpeculativeConfig) -> Engine:
+        device = DeviceConfig(device="cpu", num_threads=1, cpu_kernels="torch")
+        config = EngineConfig(cache=CacheConfig(num_blocks=64), device=device, speculative=spec)
+        return Engine(config, loaded=shared_model())
+
+    batch = copy_prompts()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in engine(SpeculativeConfig()).generate(batch, params)]
+    spec = engine(NGRAM)
+    assert [o.token_ids for o in spec.generate(batch, params)] == want
+    assert spec.scheduler.num_accepted_tokens > 0
