@@ -26,7 +26,7 @@ GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 .PHONY: help setup setup-gpu gpu-wheels gpu-check system-tools test test-gateway lint format \
-	serve generate bench bench-decode bench-serve bench-cpu-kernels soak proto docs nvcc-check \
+	serve generate bench bench-decode bench-speculative bench-serve bench-cpu-kernels soak proto docs nvcc-check \
 	clean
 
 help: ## list the targets
@@ -114,6 +114,9 @@ bench-serve: setup ## headrace bench serve vs a running server: concurrency 1/4/
 
 bench-decode: setup ## single-sequence decode tokens/s, headrace vs HF transformers
 	$(PY) -m bench.decode $(ARGS)
+
+bench-speculative: setup ## n-gram speculative decoding vs none: copy, free-form, 48 mixed
+	$(PY) -m bench.speculative $(ARGS)
 
 .PHONY: bench-cpu
 bench-cpu: setup ## CPU: headrace serve vs HF (and llama-server if on PATH): tok/s, TTFT, RSS

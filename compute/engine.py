@@ -14,6 +14,12 @@ one step later than in synchronous mode. A request that step N finishes (EOS, a 
 token) or that is aborted has run step N+1 for nothing: that token is dropped and its
 blocks were freed once, at the finish. A step whose sequences' sampling reads their
 history (penalties) waits for the step before it, as does a launch that fails.
+
+Speculative decoding (``SpeculativeConfig``, compute/core/scheduler.py) runs with
+synchronous output only: a step's accepted count decides the next step's inputs, so the
+next step cannot be scheduled before it is known. Asked for together with
+``async_output=True`` it is an error at load; with ``async_output`` left to auto, output
+is synchronous (logged).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import itertools
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+
+import torch
 
 from compute.core.checks import RequestLimits
 from compute.core.config import EngineConfig
@@ -137,11 +145,20 @@ class Engine:
             eos_token_ids=tuple(loaded.config.eos_token_ids),
             num_host_blocks=num_host_blocks,
             vocab_size=loaded.config.vocab_size,
+            speculative=config.speculative,
         )
-        self.async_output = (
-            device.type == "cuda" if config.device.async_output is None
-            else config.device.async_output
-        )  # fmt: skip
+        self.async_output = _async_output(config, device)
+        spec = config.speculative
+        if spec.enabled:
+            log.info(
+                "speculative decoding",
+                method=spec.method,
+                num_speculative_tokens=spec.num_tokens,
+                ngram_min=spec.ngram_min,
+                ngram_max=spec.ngram_max,
+                max_batch=spec.max_batch,
+                async_output=self.async_output,
+            )
         self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # launched, unread
         self._ids = itertools.count()
         self._failed: list[tuple[str, str]] = []
@@ -285,9 +302,9 @@ class Engine:
     def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:
         for item in sched.scheduled:
             prompt_left = item.seq.num_prompt_tokens - (
-                item.seq.num_computed_tokens - item.num_new_tokens
+                item.seq.num_computed_tokens - item.num_own_tokens
             )
-            self._prompt_tokens += max(0, min(item.num_new_tokens, prompt_left))
+            self._prompt_tokens += max(0, min(item.num_own_tokens, prompt_left))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -312,6 +329,9 @@ class Engine:
             prefix_cache_hit_tokens=kv.prefix_hit_tokens,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            spec_draft_tokens=sched.num_draft_tokens,
+            spec_accepted_tokens=sched.num_accepted_tokens,
+            spec_emitted_tokens=sched.num_spec_emitted_tokens,
         )
 
     def generate(
@@ -374,3 +394,17 @@ def _reads_history(sched: SchedulerOutput) -> bool:
     """Does a sequence this step samples for also sample from its history (penalties)?
     Its next step cannot sample until this step's token is known on the host."""
     return any(item.samples and item.seq.sampling_params.penalized for item in sched.scheduled)
+
+
+def _async_output(config: EngineConfig, device: torch.device) -> bool:
+    """Whether steps launch before the previous one's ids are read (auto: on CUDA), and
+    never with speculative decoding (ValueError naming the option if both were asked)."""
+    wanted = config.device.async_output
+    if config.speculative.enabled:
+        if wanted:
+            raise ValueError(
+                "async_output: speculative decoding needs synchronous output "
+                "(--no-async-output, or --speculative-method none)"
+            )
+        return False
+    return device.type == "cuda" if wanted is None else wanted

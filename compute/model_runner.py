@@ -9,6 +9,11 @@ behind the step, with an event; on the CPU the work is done when launch returns)
 engine may launch the next step before resolving this one (asynchronous output): a
 sequence's input token is then a PLACEHOLDER, and the runner feeds the id sampled for it
 by the previous step straight from the device (``begin_step`` marks the boundary).
+
+Speculative decoding: a scheduled sequence with a draft puts its draft tokens after its
+own in the flat batch (a multi-token query, as a prefill chunk), and logits are taken at
+every one of those 1 + K positions; ``Sampler.sample_drafts`` keeps what it accepts, and
+the step's ids are read on the host at once (speculation runs with synchronous output).
 """
 
 from __future__ import annotations
@@ -97,6 +102,9 @@ class StepResult:
         self.vocab_size = vocab_size
         self.faulty: dict[str, str] = faulty or {}
         self._parts: list[tuple[list[Sequence], torch.Tensor, LogprobRows, object]] = []
+        # Verified drafts (speculative decoding), already on the host: per sequence, the
+        # ids it emits and their logprobs.
+        self._host_parts: list[tuple[list[Sequence], list[list[int]], list[list]]] = []
 
     def add(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: LogprobRows) -> None:
         """One run's rows; device tensors are copied behind the work that makes them."""
@@ -109,8 +117,15 @@ class StepResult:
             event.record()
         self._parts.append((seqs, tokens, logprobs, event))
 
+    def add_emitted(
+        self, seqs: list[Sequence], token_ids: list[list[int]], logprobs: list[list]
+    ) -> None:
+        """One run's verified drafts: one or more emitted ids per sequence, on the host."""
+        self._host_parts.append((seqs, token_ids, logprobs))
+
     def merge(self, other: StepResult) -> None:
         self._parts.extend(other._parts)
+        self._host_parts.extend(other._host_parts)
         self.faulty.update(other.faulty)
 
     def resolve(self) -> ModelRunnerOutput:
@@ -121,6 +136,16 @@ class StepResult:
                 event.synchronize()
             ids, records = tokens.tolist(), logprobs.records()
             out.merge(_checked(seqs, ids, records, self.vocab_size))
+        for seqs, emitted, emitted_logprobs in self._host_parts:
+            for seq, ids, records in zip(seqs, emitted, emitted_logprobs, strict=True):
+                part = _checked([seq] * len(ids), ids, records, self.vocab_size)
+                if part.faulty:
+                    out.faulty.update(part.faulty)
+                    continue
+                out.request_ids.append(seq.request_id)
+                out.sampled_token_ids.append(ids[0])
+                out.logprobs.append(records[0])
+                out.more_tokens[seq.request_id] = list(zip(ids[1:], records[1:], strict=True))
         return out
 
 
@@ -213,6 +238,12 @@ class ModelRunner:
         if not batch.sampling_seqs:
             return result
         logits = self.model.compute_logits(hidden[batch.sample_rows])
+        if batch.drafts is not None:
+            emitted, emitted_logprobs = self.sampler.sample_drafts(
+                logits, batch.sampling_seqs, batch.drafts
+            )
+            result.add_emitted(batch.sampling_seqs, emitted, emitted_logprobs)
+            return result
         tokens, logprobs = self.sampler.sample_on_device(logits, batch.sampling_seqs)
         for row, seq in enumerate(batch.sampling_seqs):
             self._step_ids[seq.request_id] = (tokens, row)
@@ -223,20 +254,25 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, tables, sample_rows, sampling = [], [], [], [], []
+        drafts: list[tuple[int, ...]] = []
         pending: list[tuple[int, str]] = []  # (flat row, request): ids the last step sampled
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
+            draft = item.draft_token_ids
             end = start + item.num_new_tokens
-            if end > seq.num_known_tokens:  # only a decode's one input can be pending
-                pending.append((len(token_ids) + item.num_new_tokens - 1, seq.request_id))
-            token_ids.extend(seq.token_ids_slice(start, end))
+            own_end = end - len(draft)
+            if own_end > seq.num_known_tokens:  # only a decode's one input can be pending
+                pending.append((len(token_ids) + item.num_own_tokens - 1, seq.request_id))
+            token_ids.extend(seq.token_ids_slice(start, own_end))
+            token_ids.extend(draft)
             positions.extend(range(start, end))
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
             tables.append(seq.block_ids)
             if item.samples:
-                sample_rows.append(len(token_ids) - 1)
+                sample_rows.extend(range(len(token_ids) - 1 - len(draft), len(token_ids)))
                 sampling.append(seq)
+                drafts.append(draft)
         meta = AttentionMetadata.build(
             query_lens, context_lens, tables, self.block_size, device=self.device
         )
@@ -249,6 +285,7 @@ class ModelRunner:
             meta=meta,
             sample_rows=device_tensor(sample_rows, torch.int64, self.device),
             sampling_seqs=sampling,
+            drafts=drafts if any(drafts) else None,
         )
 
     def _fill_placeholders(self, ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:

@@ -29,6 +29,17 @@ Conventions:
 - ``rewind`` undoes the last ``sample`` call's draws from the generators, so the engine
   can run a failed step again (without the request at fault) and every seeded request
   still gets the tokens it would have got.
+- Speculative decoding (``sample_drafts``): a drafted sequence has one logits row per
+  position, its last token's and each draft token's, and every row is sampled as above,
+  as if it were the next token. The draft token at a row is accepted when the row's pick
+  equals it; the first row whose pick differs gives the corrected token, and a fully
+  accepted draft gets the last row's pick as a bonus token. Greedy, that is the longest
+  agreeing prefix plus one. Random, it is rejection sampling against the draft's point
+  mass: the inverse-CDF pick equals draft token t with probability p(t), and otherwise
+  is distributed as p with t removed and renormalised; so the emitted tokens have the
+  distribution they have without speculation. A seeded request's generator is left
+  having drawn exactly one uniform per emitted token, so its stream is the one it draws
+  without speculation (the same tokens, where the logits are the same).
 - Call ``forget`` when a request finishes or aborts, not when it is preempted: a
   preempted request resumes its seeded stream where it stopped.
 """
@@ -87,6 +98,41 @@ class Sampler:
             self.faults.check_sampling(seqs)
             tokens = self.faults.corrupt(tokens, seqs, self.vocab_size)
         return tokens, logprob_rows(logits, tokens, params)
+
+    def sample_drafts(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[tuple[int, ...]]
+    ) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
+        """Verify drafts: per sequence, the tokens it emits (1 + accepted) and their
+        logprobs, on the host. ``logits`` has 1 + len(drafts[i]) consecutive rows for
+        sequence i: after its last token, then after each draft token. Requests with
+        penalties must come without a draft (their history would need the draft)."""
+        rows = [seq for seq, draft in zip(seqs, drafts, strict=True) for _ in range(1 + len(draft))]
+        saved = {}  # seeded drafted requests: their generator before this step's draws
+        for seq, draft in zip(seqs, drafts, strict=True):
+            if draft and seq.sampling_params.penalized:
+                raise ValueError(f"{seq.request_id}: a draft for a request with penalties")
+            if draft and not seq.sampling_params.greedy and seq.sampling_params.seed is not None:
+                generator = self._request_generator(seq, logits.device)
+                saved[seq.request_id] = (generator, generator.get_state())
+        tokens, logprobs = self.sample_on_device(logits, rows)
+        ids, records = tokens.tolist(), logprobs.to_host().records()
+        emitted_ids: list[list[int]] = []
+        emitted_logprobs: list[list[TokenLogprob | None]] = []
+        row = 0
+        for seq, draft in zip(seqs, drafts, strict=True):
+            n = 1
+            while n <= len(draft) and ids[row + n - 1] == draft[n - 1]:
+                n += 1
+            emitted_ids.append(ids[row : row + n])
+            emitted_logprobs.append(records[row : row + n])
+            row += 1 + len(draft)
+            if seq.request_id in saved and n < 1 + len(draft):
+                # One uniform per emitted token, as without speculation.
+                generator, state = saved[seq.request_id]
+                generator.set_state(state)
+                for _ in range(n):
+                    torch.rand(1, dtype=torch.float64, device=logits.device, generator=generator)
+        return emitted_ids, emitted_logprobs
 
     def commit(self) -> None:
         """Keep the draws made so far: a later ``rewind`` goes back no further."""

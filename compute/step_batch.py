@@ -20,3 +20,6 @@ class StepBatch:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # int64 [S]: flat index of each sampling sequence's last token
     sampling_seqs: list[Sequence]
+    # Per sampling sequence, its draft (speculative decoding): its rows in sample_rows are
+    # then 1 + len(draft), the last token's and each draft token's. All empty: no drafts.
+    drafts: list[tuple[int, ...]] | None = None

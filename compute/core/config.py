@@ -132,6 +132,50 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+SPECULATIVE_METHODS = ("none", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: drafts guessed from the sequence itself, verified in one step.
+
+    "ngram" (prompt lookup): the longest recent earlier occurrence of the sequence's last
+    n tokens (n from ngram_max down to ngram_min, in prompt + output) proposes the up to
+    num_tokens tokens that followed it; the step scores the sequence's last token and the
+    draft together, and the sampler keeps the longest prefix the model agrees with plus
+    one token of its own (compute/core/ngram.py, compute/sampler.py). Output is the same
+    as without it (greedy: token for token; sampling: in distribution). Drafts are only
+    made while at most max_batch sequences run, never for requests with penalties, and
+    only with synchronous output (compute/engine.py).
+    """
+
+    method: str = "none"  # "none" or "ngram"
+    num_tokens: int = 4  # K: draft tokens per step and sequence
+    ngram_min: int = 2  # shortest suffix match that makes a draft
+    ngram_max: int = 4  # longest suffix match tried (first)
+    max_batch: int = 8  # no drafts in a step while more sequences than this run
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        if self.num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                "speculative n-gram lengths need 1 <= min <= max, got "
+                f"min {self.ngram_min}, max {self.ngram_max}"
+            )
+        if self.max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.max_batch}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 WEIGHT_MODES = ("auto", "dense", "quantized", "quantized-int8")
 
 
@@ -187,3 +231,4 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     device: DeviceConfig = DeviceConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()

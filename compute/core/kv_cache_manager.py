@@ -123,6 +123,14 @@ class KVCacheManager:
             self.prefix_cache.register(keys[i], seq.block_ids[i])
         self._num_registered[seq.request_id] = num_full
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the tail blocks beyond what ``num_tokens`` tokens need: the slots of a
+        rejected speculative draft. They hold no published block (only blocks full of
+        computed tokens are published), so they go straight back to the free list."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_ids) > keep:
+            self._release(seq.block_ids.pop())
+
     def free(self, seq: Sequence) -> None:
         """Give back every device and host block of ``seq`` (finish, abort, preemption)."""
         self._release_all(seq)

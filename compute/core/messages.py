@@ -64,6 +64,11 @@ class EngineStats:
     prefix_cache_hit_tokens: int  # cumulative
     prompt_tokens: int  # cumulative prompt tokens computed
     generation_tokens: int  # cumulative tokens sampled
+    # Speculative decoding, cumulative: draft tokens scored, draft tokens accepted, tokens
+    # emitted by the steps that verified a draft (accepted + one per verification).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,11 +22,22 @@ class ScheduledSequence:
     # The step samples a token: it computes up to the sequence's last token. Fixed when
     # scheduled; the sequence's counters move on when the step is committed.
     samples: bool
+    # Speculative decoding: tokens guessed to follow the sequence's last token, scored in
+    # this step after it (they are the last len(draft) of num_new_tokens); the runner
+    # samples at each of the 1 + len(draft) positions and keeps the agreeing prefix.
+    draft_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
-        done = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
-        return cls(seq, num_new_tokens, done)
+    def of(
+        cls, seq: Sequence, num_new_tokens: int, draft: tuple[int, ...] = ()
+    ) -> ScheduledSequence:
+        done = seq.num_computed_tokens + num_new_tokens - len(draft) == seq.num_tokens
+        return cls(seq, num_new_tokens, done, draft)
+
+    @property
+    def num_own_tokens(self) -> int:
+        """Tokens of the sequence itself computed this step (the draft's are not yet)."""
+        return self.num_new_tokens - len(self.draft_token_ids)
 
 
 @dataclass
@@ -52,6 +63,9 @@ class ModelRunnerOutput:
     # Requests whose step failed (bad sampled id, or a forward/sampling error the engine
     # traced to them), with the message their client sees; they have no entry above.
     faulty: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: per drafted request, the tokens it emits after its entry above
+    # (the accepted draft tokens after the first, then the model's own), with logprobs.
+    more_tokens: dict[str, list[tuple[int, TokenLogprob | None]]] = field(default_factory=dict)
 
     def merge(self, other: ModelRunnerOutput) -> None:
         """Append ``other``'s rows (the engine runs a failed step again in parts)."""
@@ -59,3 +73,4 @@ class ModelRunnerOutput:
         self.sampled_token_ids.extend(other.sampled_token_ids)
         self.logprobs.extend(other.logprobs)
         self.faulty.update(other.faulty)
+        self.more_tokens.update(other.more_tokens)

@@ -42,6 +42,19 @@ dropped. A placeholder is never hashed into the prefix cache, and a sequence pre
 with one pending is not readmitted until it resolves. ``update_from_output`` is the two
 at once (synchronous output).
 
+Speculative decoding (``SpeculativeConfig``, synchronous output only): a decoding
+sequence may get a draft, tokens guessed to follow it (compute/core/ngram.py), scored in
+the same step after its last token: 1 + K query tokens, counted against the budget, with
+KV slots reserved for all of them. Drafts are made only while at most ``max_batch``
+sequences run, for requests without penalties, when the budget and the request's
+remaining length leave room, and never at the cost of a preemption (a draft that does not
+fit is dropped). ``resolve`` then takes the 1 + a tokens the runner emits (a accepted
+draft tokens, then the model's own), one ``RequestOutput`` each, so a stop or a length
+limit inside the run ends the request exactly there; ``num_computed_tokens`` counts only
+the accepted inputs, and the tail blocks past the sequence are given back. Rejected
+tokens' K/V lie past ``num_computed_tokens``, in blocks not yet full, which are never
+published to the prefix cache before later steps overwrite those slots.
+
 Pure Python, no torch: tested by feeding fake runner outputs.
 """
 
@@ -53,10 +66,11 @@ import time
 from collections.abc import Callable
 
 from compute.core.checks import RequestLimits, check_request
-from compute.core.config import CacheConfig, SchedulerConfig
+from compute.core.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from compute.core.errors import FieldError
 from compute.core.kv_cache_manager import KVCacheManager
 from compute.core.messages import FinishReason, RequestOutput, TokenLogprob
+from compute.core.ngram import propose_ngram
 from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
 from compute.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from compute.core.step_plan import StepPlan
@@ -73,8 +87,14 @@ class Scheduler:
         num_host_blocks: int = 0,
         clock: Callable[[], float] = time.monotonic,
         vocab_size: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.speculative = speculative or SpeculativeConfig()
+        # (tokens, at most k) -> draft tokens to follow them; tests may put their own here.
+        self.proposer: Callable[[list[int], int], list[int]] = lambda tokens, k: propose_ngram(
+            tokens, k, self.speculative.ngram_min, self.speculative.ngram_max
+        )
         self.max_model_len = max_model_len
         self.limits = RequestLimits(max_model_len, num_blocks, cache_config.block_size, vocab_size)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -91,6 +111,11 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._prefill_streak = 0  # consecutive steps that mixed prefill work into decodes
         self.num_preemptions = 0  # cumulative
+        # Speculative decoding, cumulative: draft tokens scored, those accepted, and the
+        # tokens emitted by the steps that verified a draft (accepted + one each).
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_spec_emitted_tokens = 0
 
     # -- queries ------------------------------------------------------------
 
@@ -180,9 +205,34 @@ class Scheduler:
                 continue
             if step.budget <= 0:
                 return
+            draft = self._draft(seq, step.budget) if decodes else ()
+            if draft and self.kv_manager.allocate_slots(seq, 1 + len(draft)):
+                step.add(seq, 1 + len(draft), decodes, draft)
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
             if self._allocate_or_preempt(seq, n, step):
                 step.add(seq, n, decodes)
+
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding ``seq`` this step (empty: none)."""
+        spec = self.speculative
+        if (
+            not spec.enabled
+            or len(self.running) > spec.max_batch
+            or seq.num_pending
+            or seq.sampling_params.penalized  # its penalties would need the draft as history
+        ):
+            return ()
+        # Room for the draft and one more token: in the budget, in max_tokens, in the model.
+        room = min(
+            spec.num_tokens,
+            budget - 1,
+            seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        if room <= 0:
+            return ()
+        return tuple(self.proposer(seq.all_token_ids, room)[:room])
 
     def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int, step: StepPlan) -> bool:
         """Make room for ``seq`` by preempting victims; False if ``seq`` itself was one."""
@@ -262,7 +312,7 @@ class Scheduler:
             seq = item.seq
             if self._requests.get(seq.request_id) is not seq:
                 continue  # aborted (or failed) while the step was launched
-            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_own_tokens  # drafts count once accepted
             self.kv_manager.cache_full_blocks(seq)
             if item.samples:
                 seq.output_token_ids.append(PLACEHOLDER)
@@ -288,6 +338,43 @@ class Scheduler:
             # Steps resolve in launch order, so this step's placeholder is the oldest.
             index = seq.num_output_tokens - seq.num_pending
             outputs.append(self._append_token(seq, index, token_id, logprob))
+            if item.draft_token_ids:
+                more = runner_out.more_tokens.get(seq.request_id, [])
+                outputs += self._accept_draft(seq, item.draft_token_ids, token_id, more)
+        return outputs
+
+    def _accept_draft(
+        self,
+        seq: Sequence,
+        draft: tuple[int, ...],
+        first: int,
+        more: list[tuple[int, TokenLogprob | None]],
+    ) -> list[RequestOutput]:
+        """The tokens a verified draft emits after its first: draft[i] is accepted as an
+        input (its K/V, computed this step, count) when the token before it equals it."""
+        emitted = [first] + [token for token, _ in more]
+        accepted = 0
+        while accepted < len(draft) and emitted[accepted] == draft[accepted]:
+            accepted += 1
+        if len(more) != accepted:
+            raise ValueError(
+                f"runner output for {seq.request_id}: {len(more)} tokens after the first, "
+                f"{accepted} draft tokens accepted"
+            )
+        self.num_draft_tokens += len(draft)
+        self.num_accepted_tokens += accepted
+        self.num_spec_emitted_tokens += 1 + accepted
+        outputs = []
+        for token_id, logprob in more:
+            if seq.is_finished:
+                break  # a stop inside the accepted run: the rest goes
+            seq.num_computed_tokens += 1  # the previous token, an accepted draft token
+            self.kv_manager.cache_full_blocks(seq)
+            seq.output_token_ids.append(PLACEHOLDER)
+            seq.num_pending += 1
+            outputs.append(self._append_token(seq, seq.num_output_tokens - 1, token_id, logprob))
+        if not seq.is_finished:  # roll back the rejected draft's slots
+            self.kv_manager.trim(seq, seq.num_tokens)
         return outputs
 
     def _append_token(

@@ -22,8 +22,10 @@ class StepPlan:
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
 
-    def add(self, seq: Sequence, num_new_tokens: int, is_decode: bool) -> None:
-        self.scheduled[seq.request_id] = ScheduledSequence.of(seq, num_new_tokens)
+    def add(
+        self, seq: Sequence, num_new_tokens: int, is_decode: bool, draft: tuple[int, ...] = ()
+    ) -> None:
+        self.scheduled[seq.request_id] = ScheduledSequence.of(seq, num_new_tokens, draft)
         if is_decode:
             self.decodes.add(seq.request_id)
         self.budget -= num_new_tokens

@@ -21,6 +21,7 @@ from compute.core.config import (
     DeviceConfig,
     EngineConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from services.pipeline.input_limits import InputLimits
 from services.pipeline.pipeline import PipelineConfig
@@ -159,6 +160,21 @@ FLAGS: tuple[Flag, ...] = (
          choices=("recompute", "swap")),
     Flag("--prefill-interval", "scheduler.prefill_interval", "most prefill steps in a row", int),
     Flag("--policy", "scheduler.policy", "scheduling order", choices=("fcfs", "priority")),
+    Flag("--speculative-method", "speculative.method",
+         "speculative decoding: ngram = draft tokens looked up in the prompt and output "
+         "(the latest earlier match of the last n tokens), verified in one step; same "
+         "tokens, faster when the output copies the input; needs synchronous output "
+         "(auto async output turns off; --async-output with it is an error)",
+         choices=("none", "ngram")),
+    Flag("--num-speculative-tokens", "speculative.num_tokens",
+         "draft tokens per sequence and step (K: a step scores 1 + K tokens)", int),
+    Flag("--speculative-ngram-min", "speculative.ngram_min",
+         "shortest match of the sequence's last tokens that makes a draft", int),
+    Flag("--speculative-ngram-max", "speculative.ngram_max",
+         "longest match tried first (then shorter, down to the min)", int),
+    Flag("--speculative-max-batch", "speculative.max_batch",
+         "no drafts in a step while more sequences than this run (verification work "
+         "that is rejected costs more than it saves in large batches)", int),
     Flag("--max-pending", "pipeline.max_pending", "requests in flight, then rejected", int),
     Flag("--tokenize-workers", "pipeline.tokenize_workers", "tokenizer threads (stage 1)", int),
     Flag("--output-workers", "pipeline.output_workers", "detokenizer threads (stage 3)", int),
@@ -186,6 +202,7 @@ def sections() -> dict[str, type]:
         "device": DeviceConfig,
         "cache": CacheConfig,
         "scheduler": SchedulerConfig,
+        "speculative": SpeculativeConfig,
         "pipeline": PipelineConfig,
         "log": LogConfig,
         "tracing": TracingConfig,
@@ -222,6 +239,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         cache=built["cache"],
         scheduler=built["scheduler"],
         device=built["device"],
+        speculative=built["speculative"],
     )
     return Configs(engine, built["pipeline"], built["server"], built["log"], built["tracing"])
 

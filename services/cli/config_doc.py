@@ -40,6 +40,7 @@ TITLES = {
     "device": "Device and kernels",
     "cache": "KV cache",
     "scheduler": "Scheduler",
+    "speculative": "Speculative decoding",
     "pipeline": "Pipeline stages",
     "log": "Logs",
     "tracing": "Tracing",
@@ -99,6 +100,14 @@ directory of safetensors. `--seed` also seeds unseeded sampling.
 the model's context length. `--prefill-interval N`: after N steps mixing prefills into
 decodes, one decode-only step (0 = off). `--policy priority` runs lower `priority` values
 first.
+""",
+    "speculative": """\
+`--speculative-method ngram` drafts up to `--num-speculative-tokens` tokens per decoding
+sequence from the latest earlier match of its last n tokens (n from
+`--speculative-ngram-max` down to `--speculative-ngram-min`) and verifies them in one step:
+the same greedy tokens and the same sampling distribution as without it. No drafts while
+more than `--speculative-max-batch` sequences run. It needs synchronous output (see
+[architecture](architecture.md)).
 """,
     "pipeline": """\
 A request beyond `--max-pending` in flight is refused with RESOURCE_EXHAUSTED.

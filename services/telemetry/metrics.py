@@ -32,6 +32,9 @@ _CUMULATIVE = {
     "num_preemptions": "preemptions",
     "prompt_tokens": "prompt_tokens",
     "generation_tokens": "generation_tokens",
+    "spec_draft_tokens": "spec_draft_tokens",
+    "spec_accepted_tokens": "spec_accepted_tokens",
+    "spec_emitted_tokens": "spec_emitted_tokens",
 }
 
 
@@ -79,6 +82,23 @@ class Metrics:
         )
         self.generation_tokens = Counter(
             "headrace_generation_tokens_total", "Tokens sampled", registry=r
+        )
+        # Speculative decoding: acceptance rate = accepted / draft; tokens per verifying
+        # step and sequence = emitted / (emitted - accepted).
+        self.spec_draft_tokens = Counter(
+            "headrace_spec_decode_draft_tokens_total",
+            "Speculative draft tokens scored",
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "headrace_spec_decode_accepted_tokens_total",
+            "Speculative draft tokens accepted",
+            registry=r,
+        )
+        self.spec_emitted_tokens = Counter(
+            "headrace_spec_decode_emitted_tokens_total",
+            "Tokens emitted by steps that verified a draft (accepted + one each)",
+            registry=r,
         )
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from compute.core.config import EngineConfig
+from compute.core.config import EngineConfig, SpeculativeConfig
 from services.cli import cli, cli_flags
 from services.server.server_config import ServerConfig
 from tests.conftest import RunningServer
@@ -39,7 +39,8 @@ def test_serve_help_lists_every_flag_with_its_env_var(capsys) -> None:
 
 def test_every_config_field_has_a_flag() -> None:
     targets = {flag.target for flag in cli_flags.FLAGS}
-    nested = {"cache", "scheduler", "device"}  # EngineConfig's sub-configs, flagged field by field
+    # EngineConfig's sub-configs, flagged field by field
+    nested = {"cache", "scheduler", "device", "speculative"}
     for section, cls in cli_flags.sections().items():
         for field in dataclasses.fields(cls):
             if not (section == "engine" and field.name in nested) and (
@@ -117,6 +118,15 @@ def test_bad_env_values_are_usage_errors(environ: dict[str, str], capsys) -> Non
 def test_invalid_config_values_exit_2(capsys) -> None:
     assert cli.main(["serve", "--block-size", "12"]) == 2
     assert "block_size must be a positive power of two" in capsys.readouterr().err
+
+
+def test_speculative_flags_and_env_twins(capsys) -> None:
+    environ = {"HEADRACE_SPECULATIVE_METHOD": "ngram", "HEADRACE_SPECULATIVE_MAX_BATCH": "4"}
+    argv = ["serve", "--num-speculative-tokens", "3", "--speculative-ngram-min", "1"]
+    spec = _parse(argv, environ).engine.speculative
+    assert spec == SpeculativeConfig(method="ngram", num_tokens=3, ngram_min=1, max_batch=4)
+    assert cli.main(["serve", "--speculative-ngram-min", "5"]) == 2
+    assert "1 <= min <= max" in capsys.readouterr().err
 
 
 def test_generate_streams_text_from_a_server(served: RunningServer, capsys) -> None:

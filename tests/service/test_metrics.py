@@ -79,6 +79,18 @@ def test_cumulative_engine_stats_become_counter_increments() -> None:
     assert found[("headrace_prefix_cache_hit_tokens_total", ())] == 32
 
 
+def test_speculative_decoding_counters() -> None:
+    metrics = Metrics()
+    metrics.observe_engine_stats(stats())
+    metrics.observe_engine_stats(
+        stats(spec_draft_tokens=40, spec_accepted_tokens=30, spec_emitted_tokens=40)
+    )
+    found = samples(metrics)
+    assert found[("headrace_spec_decode_draft_tokens_total", ())] == 40
+    assert found[("headrace_spec_decode_accepted_tokens_total", ())] == 30
+    assert found[("headrace_spec_decode_emitted_tokens_total", ())] == 40
+
+
 def test_registries_are_independent() -> None:
     first, second = Metrics(), Metrics()
     first.observe_rejected("unavailable")

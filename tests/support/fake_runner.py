@@ -65,6 +65,7 @@ class FakeRunner:
         self._prev_ids: dict[str, int] = {}
         self.num_placeholders_fed = 0  # inputs taken from the previous launch's ids
         self.num_computed_tokens = 0  # cumulative tokens written (for prefix-cache tests)
+        self.num_draft_tokens = 0  # cumulative speculative draft tokens scored
 
     def token_for(self, context: list[int], num_output_tokens: int = 0) -> int:
         """The token the fake model samples after ``context`` (its outputs so far counted)."""
@@ -86,25 +87,47 @@ class FakeRunner:
         for host_block, device_block in sched.blocks_to_swap_in:
             self.device[device_block] = list(self.host[host_block])
         for item in sched.scheduled:
-            self._write(item.seq, item.seq.num_computed_tokens, item.num_new_tokens)
+            self._write(
+                item.seq, item.seq.num_computed_tokens, item.num_own_tokens, item.draft_token_ids
+            )
         out = ModelRunnerOutput(request_ids=[], sampled_token_ids=[], logprobs=[])
         for item in sched.scheduled:
             if item.samples:
-                end = item.seq.num_computed_tokens + item.num_new_tokens
-                token = self.token_for(self._read(item.seq, end), item.seq.num_output_tokens)
+                end = item.seq.num_computed_tokens + item.num_own_tokens
+                emitted = self._verify(item.seq, end, item.draft_token_ids)
+                token = emitted[0]
                 out.request_ids.append(item.seq.request_id)
                 out.sampled_token_ids.append(token)
                 out.logprobs.append(TokenLogprob(token, -1.0) if _wants(item.seq) else None)
+                if item.draft_token_ids:
+                    out.more_tokens[item.seq.request_id] = [
+                        (t, TokenLogprob(t, -1.0) if _wants(item.seq) else None)
+                        for t in emitted[1:]
+                    ]
         self.num_steps += 1
         return out
 
-    def _write(self, seq, start: int, count: int) -> None:
+    def _verify(self, seq, end: int, draft: tuple[int, ...]) -> list[int]:
+        """Greedy verification: the token after each position from ``end - 1`` on, while
+        the draft agrees, read back from the cache (so draft slots must be written)."""
+        emitted: list[int] = []
+        for i in range(len(draft) + 1):
+            token = self.token_for(self._read(seq, end + i), seq.num_output_tokens + i)
+            emitted.append(token)
+            if i == len(draft) or token != draft[i]:
+                break
+        self.num_draft_tokens += len(draft)
+        return emitted
+
+    def _write(self, seq, start: int, count: int, draft: tuple[int, ...] = ()) -> None:
         tokens = seq.token_ids_slice(start, start + count)
         if tokens and tokens[-1] == PLACEHOLDER:  # sampled by the previous launch
             tokens[-1] = self._prev_ids[seq.request_id]
             self.num_placeholders_fed += 1
         if PLACEHOLDER in tokens:
             raise RuntimeError(f"{seq.request_id}: a placeholder that no launch sampled")
+        tokens += draft
+        count += len(draft)
         for pos, token in zip(range(start, start + count), tokens, strict=True):
             block, offset = self._slot(seq, pos)
             self.device[block][offset] = token

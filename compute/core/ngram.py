@@ -1,0 +1,45 @@
+"""N-gram (prompt-lookup) drafts for speculative decoding. Pure Python, no torch.
+
+The draft for a sequence is what followed the latest earlier occurrence of its last n
+tokens, for the largest n in [ngram_min, ngram_max] that occurs earlier (in prompt +
+output): a sequence that copies or lightly edits its input is then guessed a few tokens
+ahead, and one step verifies the guess (compute/core/scheduler.py, compute/sampler.py).
+"""
+
+from __future__ import annotations
+
+
+def propose_ngram(tokens: list[int], num_tokens: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """Up to ``num_tokens`` draft tokens to follow ``tokens``, or [] when no suffix of at
+    least ``ngram_min`` tokens occurs earlier. The longest match (up to ``ngram_max``)
+    wins; among equally long ones, the latest."""
+    n = len(tokens)
+    if num_tokens <= 0 or n <= ngram_min:
+        return []
+    last = tokens[-1]
+    best_len, best_end = 0, -1
+    # Candidate matches end at j (tokens[j] == last, j < n - 1), latest first.
+    j = n - 1
+    while True:
+        try:
+            j = _rindex(tokens, last, j)
+        except ValueError:
+            break
+        length = 1
+        while length < ngram_max and length <= j and tokens[j - length] == tokens[n - 1 - length]:
+            length += 1
+        if length > best_len:
+            best_len, best_end = length, j
+            if length == ngram_max:
+                break
+    if best_len < ngram_min:
+        return []
+    return tokens[best_end + 1 : best_end + 1 + num_tokens]
+
+
+def _rindex(tokens: list[int], value: int, stop: int) -> int:
+    """The largest index i < ``stop`` with tokens[i] == value (ValueError if none)."""
+    for i in range(stop - 1, -1, -1):
+        if tokens[i] == value:
+            return i
+    raise ValueError(value)
