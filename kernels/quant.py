@@ -50,6 +50,9 @@ FORMATS = {
     "q5_k": BlockFormat("q5_k", 6, 176, 0, 0, 256, file_order=True),
     "q6_k": BlockFormat("q6_k", 7, 210, 0, 0, 256, file_order=True),
 }
+# Weights of different formats stacked row-wise (QuantizedWeight.stack): data is a table of
+# the parts, each computed in its own format (quant_linear.cpp hr_quant_linear).
+STACKED = BlockFormat("stacked", 8, 0, 0, 0, file_order=True)
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,11 @@ class QuantizedWeight:
     rows: int
     cols: int
     tiled_layout: bool = False  # rows in tiles of 16 (the int8 kernel's layout)
+    parts: tuple[QuantizedWeight, ...] = ()  # STACKED: the weights, top to bottom
 
     def __post_init__(self) -> None:
+        if self.format is STACKED:
+            return
         values = self.format.block_values
         if self.cols % values:
             name = self.format.name
@@ -80,7 +86,23 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return sum(p.nbytes for p in self.parts) if self.parts else self.data.numel()
+
+    @staticmethod
+    def stack(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of several per-row weights of one width in different formats (the fused
+        q|k|v of a Q4_K_M file, where v is Q6_K on some layers): the exact kernel computes
+        each part in its own format into its columns of the output. The parts' tensors are
+        held here, their addresses in ``data`` (int64: count, then format, address, rows)."""
+        first = parts[0]
+        if any(p.cols != first.cols or p.tiled_layout or p.parts for p in parts):
+            raise ValueError("only per-row weights of one width can be stacked")
+        table = [len(parts)]
+        for p in parts:
+            table += [p.format.code, p.data.data_ptr(), p.rows]
+        data = torch.tensor(table, dtype=torch.int64).view(torch.uint8)
+        rows = sum(p.rows for p in parts)
+        return QuantizedWeight(STACKED, data, rows, first.cols, parts=tuple(parts))
 
     @classmethod
     def from_gguf(cls, fmt: str, blocks: torch.Tensor, cols: int) -> QuantizedWeight:
@@ -101,7 +123,7 @@ class QuantizedWeight:
 
     def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows ``index`` (a permutation or selection), in that order."""
-        if self.tiled_layout:
+        if self.tiled_layout or self.parts:
             raise ValueError("take_rows: the tiled layout moves rows in tiles; take them first")
         data = self.data[index].contiguous()
         return QuantizedWeight(self.format, data, len(index), self.cols)
@@ -111,6 +133,8 @@ class QuantizedWeight:
         """Rows of several weights of one format and width, stacked (fusing); per-row
         layout only (tile the result)."""
         first = parts[0]
+        if any(p.parts for p in parts):
+            raise ValueError("stacked weights cannot be concatenated")
         key = (first.format, first.cols, False)
         if any((p.format, p.cols, p.tiled_layout) != key for p in parts):
             raise ValueError("only per-row weights of one format and width can be stacked")
@@ -124,8 +148,10 @@ class QuantizedWeight:
         if self.tiled_layout:
             return self
         if self.format.file_order:
+            names = sorted({p.format.name for p in self.parts}) or [self.format.name]
             raise ValueError(
-                f"{self.format.name}: the int8 kernel has no tiled layout for this format"
+                f"{'+'.join(names)}: no int8 kernel for this format yet"
+                " (run these weights with --weights quantized)"
             )
         f, nb, rows = self.format, self.cols // BLOCK, self.rows
         padded = -(-rows // TILE) * TILE
@@ -179,6 +205,8 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, cols], computed with torch (reference of the kernels' expansion)."""
         f = self.format
+        if self.parts:
+            return torch.cat([p.dequantize() for p in self.parts])
         if f.file_order:
             return _DEQUANTIZE_FILE_ORDER[f.name](self.data, self.rows).reshape(self.rows, -1)
         halves = self.scales()

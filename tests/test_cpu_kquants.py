@@ -146,5 +146,29 @@ def test_k_quants_need_whole_super_blocks_and_have_no_int8_layout():
     with pytest.raises(ValueError, match="multiple of 256"):
         QuantizedWeight.from_gguf("q4_k", random_blocks("q4_k", 2, 256)[:, :72], 128)
     weight = QuantizedWeight.from_gguf("q6_k", random_blocks("q6_k", 2, 256), 256)
-    with pytest.raises(ValueError, match="q6_k: the int8 kernel has no tiled layout"):
+    with pytest.raises(ValueError, match="q6_k: no int8 kernel for this format yet"):
         weight.tiled()
+
+
+def test_stacked_weights_of_different_formats():
+    """q|k|v of a Q4_K_M layer: Q4_K rows over Q6_K rows, each part in its own format."""
+    parts = [
+        QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, 512, seed=rows), 512)
+        for fmt, rows in (("q4_k", 13), ("q4_k", 6), ("q6_k", 6))
+    ]
+    parts.append(QuantizedWeight.from_gguf("q8_0", _q8_0_blocks(3, 512), 512))
+    stacked = QuantizedWeight.stack(parts)
+    assert stacked.shape == (28, 512) and stacked.nbytes == sum(p.nbytes for p in parts)
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    bias = torch.randn(28)
+    for n in (1, 3, 9):
+        x = torch.randn(n, 512)
+        alone = torch.cat([cpu.quant_linear(x, p) for p in parts], dim=1) + bias
+        assert torch.equal(cpu.quant_linear(x, stacked, bias), alone)
+    with pytest.raises(ValueError, match="q4_k\\+q6_k\\+q8_0: no int8 kernel"):
+        stacked.tiled()
+
+
+def _q8_0_blocks(rows: int, cols: int) -> torch.Tensor:
+    array = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+    return torch.from_numpy(gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0))

@@ -328,26 +328,27 @@ Group<F, G> make_group(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t 
 
 // Weight rows [r0, r1) of one thread, groups of G rows.
 template <class F, int G>
-void rows_range(const float* x, int64_t n, int64_t k, const uint8_t* w, int64_t m,
+void rows_range(const float* x, int64_t n, int64_t k, const uint8_t* w, int64_t ldo,
                 int64_t r0, int64_t r1, float* out, const float* bias, Scratch& s) {
   const int64_t nb = k / 32, row_bytes = nb / F::kBlocks * F::kBytes;
   if (n <= kDirectMax) {
     for (int64_t r = r0; r + G <= r1; r += G)
-      run_direct<F, G>(make_group<F, G>(w, row_bytes, nb, r, s), x, n, k, out, m, r, bias);
+      run_direct<F, G>(make_group<F, G>(w, row_bytes, nb, r, s), x, n, k, out, ldo, r, bias);
     return;
   }
   for (int64_t t0 = 0; t0 < n; t0 += kXTile) {
     const int64_t t1 = std::min(n, t0 + kXTile);
     for (int64_t r = r0; r + G <= r1; r += G) {
       expand_group<F, G>(make_group<F, G>(w, row_bytes, nb, r, s), s.wbuf.data());
-      run_buffered<G>(s.wbuf.data(), x, t0, t1, k, out, m, r, bias);
+      run_buffered<G>(s.wbuf.data(), x, t0, t1, k, out, ldo, r, bias);
     }
   }
 }
 
+// ldo: the row stride of out (m, or wider when W is one part of a stacked weight).
 template <class F>
 void linear(const float* x, int64_t n, int64_t k, const uint8_t* w, int64_t m, float* out,
-            const float* bias) {
+            int64_t ldo, const float* bias) {
   const int64_t groups = m / kGroup, tail = groups * kGroup;
 #pragma omp parallel if (n * k * m >= kParallelWork)
   {
@@ -357,9 +358,9 @@ void linear(const float* x, int64_t n, int64_t k, const uint8_t* w, int64_t m, f
     s.m.resize(kGroup * (k / 32));
     if (n > kDirectMax) s.wbuf.resize(kGroup * k);
     const int64_t r0 = groups * id / threads * kGroup, r1 = groups * (id + 1) / threads * kGroup;
-    rows_range<F, kGroup>(x, n, k, w, m, r0, r1, out, bias, s);
+    rows_range<F, kGroup>(x, n, k, w, ldo, r0, r1, out, bias, s);
     if (id == threads - 1)  // the m % kGroup rows left over, one at a time
-      rows_range<F, 1>(x, n, k, w, m, tail, m, out, bias, s);
+      rows_range<F, 1>(x, n, k, w, ldo, tail, m, out, bias, s);
   }
 }
 
@@ -381,22 +382,40 @@ void dequantize_rows(const uint8_t* w, int64_t k, const int64_t* rows, int64_t c
 }
 
 enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5,
-                        kQ5_K = 6, kQ6_K = 7 };
+                        kQ5_K = 6, kQ6_K = 7, kStacked = 8 };
+
+void linear_of(int64_t format, const float* x, int64_t n, int64_t k, const uint8_t* w,
+               int64_t m, float* out, int64_t ldo, const float* bias) {
+  switch (format) {
+    case kQ4_0: return linear<Q4_0>(x, n, k, w, m, out, ldo, bias);
+    case kQ4_1: return linear<Q4_1>(x, n, k, w, m, out, ldo, bias);
+    case kQ5_0: return linear<Q5_0>(x, n, k, w, m, out, ldo, bias);
+    case kQ5_1: return linear<Q5_1>(x, n, k, w, m, out, ldo, bias);
+    case kQ4_K: return linear<Q4_K>(x, n, k, w, m, out, ldo, bias);
+    case kQ5_K: return linear<Q5_K>(x, n, k, w, m, out, ldo, bias);
+    case kQ6_K: return linear<Q6_K>(x, n, k, w, m, out, ldo, bias);
+    default: return linear<Q8_0>(x, n, k, w, m, out, ldo, bias);
+  }
+}
 
 }  // namespace
 
 // out[n, m] = x[n, k] @ W[m, k]^T (+ bias[m]); W in `format`'s packed rows; k % 32 == 0
-// (k % 256 == 0 for the K-quants).
+// (k % 256 == 0 for the K-quants), or (kStacked) a table of parts.
 HR_EXPORT void hr_quant_linear(int64_t format, const float* x, int64_t n, int64_t k,
                                const uint8_t* w, int64_t m, float* out, const float* bias) {
-  if (format == kQ4_0) return linear<Q4_0>(x, n, k, w, m, out, bias);
-  if (format == kQ4_1) return linear<Q4_1>(x, n, k, w, m, out, bias);
-  if (format == kQ5_0) return linear<Q5_0>(x, n, k, w, m, out, bias);
-  if (format == kQ5_1) return linear<Q5_1>(x, n, k, w, m, out, bias);
-  if (format == kQ4_K) return linear<Q4_K>(x, n, k, w, m, out, bias);
-  if (format == kQ5_K) return linear<Q5_K>(x, n, k, w, m, out, bias);
-  if (format == kQ6_K) return linear<Q6_K>(x, n, k, w, m, out, bias);
-  return linear<Q8_0>(x, n, k, w, m, out, bias);
+  if (format != kStacked) return linear_of(format, x, n, k, w, m, out, m, bias);
+  // A stack of weights of different formats (fused q|k|v of a Q4_K_M file: Q6_K v rows
+  // beside Q4_K q and k): w is int64 [parts, then per part format, weight, rows]; each part
+  // fills its own columns of out (the same sums as if it ran alone).
+  const int64_t* table = reinterpret_cast<const int64_t*>(w);
+  int64_t r = 0;
+  for (int64_t i = 0; i < table[0]; ++i) {
+    const int64_t* part = table + 1 + 3 * i;
+    const auto* weight = reinterpret_cast<const uint8_t*>(static_cast<intptr_t>(part[1]));
+    linear_of(part[0], x, n, k, weight, part[2], out + r, m, bias ? bias + r : nullptr);
+    r += part[2];
+  }
 }
 
 // out[i, :] = W[rows[i], :] in fp32 (rows == nullptr: rows 0..count-1), bit-exact.

@@ -1,0 +1,150 @@
+"""Whole models whose matrices are K-quants and Q5_x (a Q4_K_M file's mix), loaded in their
+blocks: the loader keeps them (an unsupported type loads dense, named in one warning), the
+fused q|k|v of mixed formats stays quantized, the fused decoder call gives the per-op path's
+bits, and the result is the dense model's; int8 mode refuses them, naming the type.
+
+The files are tiny llamas written here with random blocks (gguf-py cannot quantize to
+K-quants); tests/test_kquant_parity.py compares a real Q4_K_M file with transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from compute.core.config import ModelConfig
+from compute.loaders import load_model
+from compute.model import LlamaModel
+from kernels.cpu import launch as cpu
+from kernels.quant import QuantizedWeight
+from tests import test_loaders
+from tests.test_cpu_decoder import _caches, _step
+from tests.test_cpu_kquants import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
+
+Q = gguf.GGMLQuantizationType
+CONFIG = ModelConfig(
+    name="kquant", architecture="llama", vocab_size=260, hidden_size=256, intermediate_size=512,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=1e4, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, qkv_bias=False, eos_token_ids=(2,),
+)  # fmt: skip
+# Matrix shape -> type: q and o Q4_K, k and v Q6_K (q|k|v mixes formats, as attn_v does in
+# a Q4_K_M file), gate and up Q5_K, down Q5_0 (or Q2_K: a type without a CPU kernel).
+SUPPORTED = {(256, 256): Q.Q4_K, (128, 256): Q.Q6_K, (512, 256): Q.Q5_K, (256, 512): Q.Q5_0}
+WITH_Q2_K = {**SUPPORTED, (256, 512): Q.Q2_K}
+
+
+def _blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    if qtype == Q.Q2_K:  # 84 bytes: 16 scales, 64 code bytes, d, dmin
+        g = np.random.default_rng(seed)
+        raw = g.integers(0, 256, (rows, cols // 256, 84), dtype=np.uint8)
+        halves = (g.random((rows, cols // 256, 2)) * 0.002 - 0.001).astype(np.float16)
+        raw[:, :, 80:84] = halves.view(np.uint8).reshape(rows, -1, 4)
+        return raw.reshape(rows, -1)
+    return random_blocks(qtype.name.lower(), rows, cols, seed=seed).numpy()
+
+
+def _write(path: Path, types: dict, monkeypatch) -> Path:
+    """test_loaders' tiny-llama writer, with the matrices of `types`' shapes in random blocks."""
+    seeds = iter(range(1000))
+    plain = test_loaders._quantized
+
+    def quantized(array: np.ndarray):
+        qtype = types.get(array.shape)
+        if array.ndim == 1 or qtype is None:
+            return plain(array)
+        return _blocks(qtype, array.shape[0], array.shape[1], next(seeds)), qtype
+
+    with monkeypatch.context() as m:
+        m.setattr(test_loaders, "_quantized", quantized)
+        test_loaders._write_gguf(path, CONFIG, _dummy(), "llama")
+    return path
+
+
+def _dummy() -> dict[str, torch.Tensor]:
+    from compute.loaders.dummy import dummy_weights
+
+    return dummy_weights(CONFIG, torch.float32, "cpu", seed=0)
+
+
+@pytest.fixture(scope="module")
+def kquant_file(tmp_path_factory) -> Path:
+    mp = pytest.MonkeyPatch()
+    try:
+        return _write(tmp_path_factory.mktemp("kq") / "kquant.gguf", SUPPORTED, mp)
+    finally:
+        mp.undo()
+
+
+def _warnings(monkeypatch) -> list:
+    from compute.loaders import gguf as gguf_loader
+
+    records: list = []
+    monkeypatch.setattr(gguf_loader.log, "warning", lambda *a, **kw: records.append((a, kw)))
+    return records
+
+
+def test_the_loader_keeps_every_supported_type_in_blocks(kquant_file, monkeypatch):
+    warnings = _warnings(monkeypatch)
+    kept = load_model(str(kquant_file), progress=False, quantized=True)
+    assert warnings == []
+    dense = load_model(str(kquant_file), progress=False)
+    formats = {}
+    for name, weight in kept.weights.items():
+        if len(weight.shape) == 2 and name != "model.embed_tokens.weight":
+            assert isinstance(weight, QuantizedWeight), name
+            formats[name.split(".")[-2]] = weight.format.name
+            # Blocks, un-permuted like the dense rows: the same weights, bit for bit.
+            assert torch.equal(weight.dequantize(), dense.weights[name]), name
+    assert formats == {
+        "q_proj": "q4_k", "k_proj": "q6_k", "v_proj": "q6_k", "o_proj": "q4_k",
+        "gate_proj": "q5_k", "up_proj": "q5_k", "down_proj": "q5_0",
+    }  # fmt: skip
+
+
+def test_an_unsupported_type_loads_dense_named_in_one_warning(tmp_path, monkeypatch):
+    path = _write(tmp_path / "q2k.gguf", WITH_Q2_K, monkeypatch)
+    records = _warnings(monkeypatch)
+    loaded = load_model(str(path), progress=False, quantized=True)
+    assert len(records) == 1
+    (message,), fields = records[0]
+    assert "no CPU kernel" in message
+    assert fields["tensors"] == {"Q2_K": "blk.0.ffn_down.weight, blk.1.ffn_down.weight"}
+    down = loaded.weights["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, torch.Tensor) and down.dtype == torch.float32
+    assert isinstance(loaded.weights["model.layers.0.mlp.up_proj.weight"], QuantizedWeight)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"), [([1], [1]), ([1, 1], [40, 7]), ([23, 1, 40], [23, 60, 40])]
+)
+def test_the_fused_decoder_call_runs_the_mixed_formats(kquant_file, query_lens, context_lens):
+    loaded = load_model(str(kquant_file), progress=False, quantized=True)
+    model = LlamaModel(loaded.config, loaded.weights, native=True)
+    assert model.fused_layers and model.layers[0].qkv.quantized.format.name == "stacked"
+    dense = load_model(str(kquant_file), progress=False)
+    reference = LlamaModel(dense.config, dense.weights, native=True)
+    meta, positions, blocks = _step(query_lens, context_lens)
+    tokens = int(sum(query_lens))
+    token_ids = torch.randint(0, CONFIG.vocab_size, (tokens,), generator=torch.Generator())
+    results = []
+    for m, fused in ((model, False), (model, True), (reference, False)):
+        m.fused_layers = fused
+        caches = _caches(m, blocks, seed=3)
+        results.append((m.forward(token_ids, positions, caches, meta), caches))
+    (per_op, per_op_caches), (fused_out, fused_caches), (ref, _) = results
+    assert torch.equal(fused_out, per_op)
+    for (k0, v0), (k1, v1) in zip(per_op_caches, fused_caches, strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    torch.testing.assert_close(fused_out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_mode_refuses_k_quants_naming_the_type(kquant_file):
+    loaded = load_model(str(kquant_file), progress=False, quantized=True)
+    with pytest.raises(ValueError, match="q4_k: no int8 kernel for this format yet"):
+        LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
