@@ -4,7 +4,7 @@ fused q|k|v of mixed formats stays quantized, the fused decoder call gives the p
 bits, and the result is the dense model's; int8 mode refuses them, naming the type.
 
 The files are tiny llamas written here with random blocks (gguf-py cannot quantize to
-K-quants); tests/test_kquant_parity.py compares a real Q4_K_M file with transformers.
+K-quants); transformers loads the same files for the greedy parity checks.
 """
 
 from __future__ import annotations
@@ -148,3 +148,54 @@ def test_int8_mode_refuses_k_quants_naming_the_type(kquant_file):
     loaded = load_model(str(kquant_file), progress=False, quantized=True)
     with pytest.raises(ValueError, match="q4_k: no int8 kernel for this format yet"):
         LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+
+
+# Tiny files of each K-quant mix, against transformers loading the same file (it
+# dequantizes with gguf-py, the kernels' oracle): greedy tokens must be identical.
+MIXES = {
+    "q4_k_m": SUPPORTED,
+    "q5_k_m": {(256, 256): Q.Q5_K, (128, 256): Q.Q6_K, (512, 256): Q.Q5_K, (256, 512): Q.Q6_K},
+    "q6_k": {(256, 256): Q.Q6_K, (128, 256): Q.Q6_K, (512, 256): Q.Q6_K, (256, 512): Q.Q6_K},
+    "q5_x": {(256, 256): Q.Q5_1, (128, 256): Q.Q5_0, (512, 256): Q.Q5_1, (256, 512): Q.Q5_0},
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_greedy_parity_with_transformers_on_the_same_file(mix, tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
+    from compute.core.sampling_params import SamplingParams
+    from compute.engine import Engine
+
+    path = _write(tmp_path / f"{mix}.gguf", MIXES[mix], monkeypatch)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            cache=CacheConfig(num_blocks=64),
+            device=DeviceConfig(device="cpu", cpu_kernels="native", weights="quantized"),
+        )
+    )
+    assert engine.weights == "quantized" and engine.runner.model.fused_layers
+    prompts = [[5, 77, 140, 9], [200, 3, 3, 18, 250, 61, 7], [42]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for ids in prompts:
+        ours = engine.generate([ids], params)[0].token_ids
+        ref = _hf_greedy(hf, ids, 12)
+        assert ours == ref, (mix, ids)
+
+
+def _hf_greedy(model, ids: list[int], steps: int) -> list[int]:
+    """A bare argmax loop over HF's KV cache (generate()'s min_new_tokens would mask EOS,
+    which ignore_eos does not): the reference tests/test_parity.py uses too."""
+    tokens: list[int] = []
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(steps):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(
+                torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True
+            )
+    return tokens
