@@ -44,8 +44,8 @@ class Projection:
     ) -> None:
         self.bias, self.int8 = bias, int8
         self.quantized = weight if isinstance(weight, QuantizedWeight) else None
-        if self.quantized is not None and int8:
-            self.quantized = self.quantized.tiled()  # the int8 kernel's layout
+        if self.quantized is not None and int8:  # the int8 kernel's formats and layout
+            self.quantized = self.quantized.for_int8().tiled()
         self.weight = None if self.quantized else weight.contiguous()
         on_cpu = self.weight is not None and self.weight.device.type == "cpu"
         self.weight_t = self.weight.t().contiguous() if on_cpu else None
@@ -65,6 +65,11 @@ def fuse(
     """Stack the rows of several weights (q|k|v, gate|up). Quantized parts stay quantized
     when they share a block format, or (exact kernel) as a stack of their formats; else
     they are dequantized (exactly) to fp32."""
+    if int8 and any(isinstance(p, QuantizedWeight) and p.format.file_order for p in parts):
+        # The int8 kernel's formats (kernels/quant.py for_int8), one for all the parts.
+        parts = [p.for_int8() if isinstance(p, QuantizedWeight) else p for p in parts]
+        if len({p.format.name for p in parts if isinstance(p, QuantizedWeight)}) > 1:
+            parts = [p.as_q8_0() if isinstance(p, QuantizedWeight) else p for p in parts]
     if all(isinstance(p, QuantizedWeight) for p in parts):
         try:
             return QuantizedWeight.cat(parts)  # type: ignore[arg-type]

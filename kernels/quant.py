@@ -141,6 +141,31 @@ class QuantizedWeight:
         data = torch.cat([p.data for p in parts])
         return QuantizedWeight(first.format, data, data.shape[0], first.cols)
 
+    def for_int8(self) -> QuantizedWeight:
+        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0), for the formats
+        kept in file order: Q5_0 becomes Q8_0 exactly (codes q - 16, the same d); Q4_K
+        becomes Q4_1 (the same nibbles; each block's d * sc and -dmin * m rounded to fp16,
+        a relative change below 2^-11 of the block's scale); Q5_1, Q5_K and Q6_K are
+        requantized to Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes rounded: an
+        error of at most d / 2 per weight). The int8 numerics approximate anyway (activations
+        in 8 bits, ~0.4% per element); the exact kernel keeps the file's weights."""
+        f, rows = self.format, self.rows
+        if not f.file_order:
+            return self
+        if self.parts:
+            raise ValueError("for_int8: convert the parts, then stack or fuse them")
+        if f.name == "q5_0":
+            d = self.data.reshape(rows, -1, 22)[..., :2].contiguous().view(torch.float16)
+            return _q8_0(rows, self.cols, d, _q5_codes(self.data, rows, 2) - 16)
+        if f.name == "q4_k":
+            return _q4_k_as_q4_1(self.data, rows, self.cols)
+        return _requantize_q8_0(self.dequantize())
+
+    def as_q8_0(self) -> QuantizedWeight:
+        """This weight requantized to Q8_0 (as for_int8 does: at most d / 2 per weight), for
+        stacking with Q8_0 parts in int8 mode; a Q8_0 weight as it is."""
+        return self if self.format.name == "q8_0" else _requantize_q8_0(self.dequantize())
+
     def tiled(self) -> QuantizedWeight:
         """The same weight in the int8 kernel's layout: rows in tiles of 16 (the last one
         zero-padded), each tile's codes block by block with 4 codes of each row per 4-byte
@@ -227,16 +252,21 @@ def _halves(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
-def _q5(data: torch.Tensor, rows: int, with_min: bool) -> torch.Tensor:
-    h = 4 if with_min else 2
+def _q5_codes(data: torch.Tensor, rows: int, h: int) -> torch.Tensor:
+    """The 5-bit codes [rows, nb, 32] of Q5_0 (h = 2 header bytes) or Q5_1 (h = 4)."""
     b = data.reshape(rows, -1, h + 20).int()
-    d = _halves(data.reshape(rows, -1, h + 20)[..., :2])
     qh = b[..., h] | b[..., h + 1] << 8 | b[..., h + 2] << 16 | b[..., h + 3] << 24
     high = (qh.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     qs = b[..., h + 4 :]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1) | high << 4
+    return torch.cat([qs & 15, qs >> 4], dim=-1) | high << 4
+
+
+def _q5(data: torch.Tensor, rows: int, with_min: bool) -> torch.Tensor:
+    h = 4 if with_min else 2
+    raw = data.reshape(rows, -1, h + 20)
+    d, q = _halves(raw[..., :2]), _q5_codes(data, rows, h)
     if with_min:
-        return d * q.float() + _halves(data.reshape(rows, -1, h + 20)[..., 2:4])
+        return d * q.float() + _halves(raw[..., 2:4])
     return d * (q - 16).float()
 
 
@@ -277,6 +307,38 @@ def _q6k(data: torch.Tensor, rows: int) -> torch.Tensor:
     scales = raw[..., 192:208].contiguous().view(torch.int8).float()
     scale = (_halves(raw[..., 208:210]) * scales).unsqueeze(-1)
     return scale * q
+
+
+def _q8_0(rows: int, cols: int, d: torch.Tensor, codes: torch.Tensor) -> QuantizedWeight:
+    """A Q8_0 weight from fp16 d [rows, nb, 1] and integer-valued codes [rows, nb, 32]."""
+    blocks = torch.cat(
+        [d.view(torch.uint8), codes.to(torch.int8).view(torch.uint8)], dim=-1
+    ).reshape(rows, -1)
+    return QuantizedWeight.from_gguf("q8_0", blocks, cols)
+
+
+def _requantize_q8_0(w: torch.Tensor) -> QuantizedWeight:
+    """fp32 [rows, cols] to Q8_0: d = fp16(amax / 127) per block, codes round(w / d) with
+    that d (ggml divides by the fp32 d: a code can then be off by d's fp16 rounding)."""
+    rows, cols = w.shape
+    blocks = w.reshape(rows, -1, BLOCK)
+    d = (blocks.abs().amax(dim=-1, keepdim=True) / 127.0).half()
+    df = d.float()
+    codes = torch.where(df > 0, blocks / df, torch.zeros_like(blocks))
+    return _q8_0(rows, cols, d, codes.round().clamp(-127, 127))
+
+
+def _q4_k_as_q4_1(data: torch.Tensor, rows: int, cols: int) -> QuantizedWeight:
+    raw = data.reshape(rows, -1, 144)
+    b = raw.int()
+    sc, mn = _scale_min_k(b[..., 4:16])
+    d = (_halves(raw[..., 0:2]) * sc.float()).half().reshape(rows, -1, 1)
+    m = (-(_halves(raw[..., 2:4]) * mn.float())).half().reshape(rows, -1, 1)
+    qs = raw[..., 16:].reshape(rows, -1, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(rows, -1, 32)  # [rows, nb, 32] codes
+    packed = q[..., :16] | (q[..., 16:] << 4)  # Q4_1: low nibbles 0-15, high 16-31
+    parts = [d.view(torch.uint8), m.view(torch.uint8), packed]
+    return QuantizedWeight.from_gguf("q4_1", torch.cat(parts, dim=-1).reshape(rows, -1), cols)
 
 
 _DEQUANTIZE_FILE_ORDER = {

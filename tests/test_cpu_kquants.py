@@ -172,3 +172,29 @@ def test_stacked_weights_of_different_formats():
 def _q8_0_blocks(rows: int, cols: int) -> torch.Tensor:
     array = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
     return torch.from_numpy(gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0))
+
+
+@pytest.mark.parametrize("fmt", sorted(GGUF_TYPES))
+@pytest.mark.parametrize("n", [1, 9])
+def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
+    """for_int8: Q5_0 -> Q8_0 exactly, Q4_K -> Q4_1 (scales rounded to fp16), the rest
+    requantized to Q8_0; the int8 product stays within 2% (norm) of the exact kernel's on
+    the file's weights, the bound the int8 tests of the other formats state."""
+    cols = widths(fmt)[1]
+    plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, cols, seed=n), cols)
+    converted = plain.for_int8()
+    expected_format = {"q5_0": "q8_0", "q4_k": "q4_1"}.get(fmt, "q8_0")
+    assert converted.format.name == expected_format and not converted.format.file_order
+    w, w8 = plain.dequantize(), converted.dequantize()
+    if fmt == "q5_0":
+        assert torch.equal(w8, w)
+    else:  # a weight moves by at most half a Q8_0 step (its fp16 d: 2^-11 more at most),
+        # or (Q4_K) by the fp16 rounding of its block's scale and min
+        step = w.reshape(37, -1, 32).abs().amax(-1, keepdim=True) / 127
+        bound = step / 2 * (1 + 2**-10) + 1e-7
+        assert ((w8 - w).reshape(37, -1, 32).abs() <= bound).all()
+    x = torch.randn(n, cols)
+    x[0, :32] = 0.0
+    got = cpu.quant_linear(x, converted.tiled(), int8=True)
+    exact = cpu.quant_linear(x, plain)
+    assert ((got - exact).norm() / exact.norm()).item() < 0.02

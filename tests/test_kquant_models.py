@@ -1,7 +1,7 @@
 """Whole models whose matrices are K-quants and Q5_x (a Q4_K_M file's mix), loaded in their
 blocks: the loader keeps them (an unsupported type loads dense, named in one warning), the
 fused q|k|v of mixed formats stays quantized, the fused decoder call gives the per-op path's
-bits, and the result is the dense model's; int8 mode refuses them, naming the type.
+bits, and the result is the dense model's; int8 mode converts them to its formats.
 
 The files are tiny llamas written here with random blocks (gguf-py cannot quantize to
 K-quants); transformers loads the same files for the greedy parity checks.
@@ -144,10 +144,22 @@ def test_the_fused_decoder_call_runs_the_mixed_formats(kquant_file, query_lens, 
     torch.testing.assert_close(fused_out, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_int8_mode_refuses_k_quants_naming_the_type(kquant_file):
+def test_int8_mode_converts_them_to_its_formats(kquant_file):
+    """kernels/quant.py for_int8: the int8 kernel's formats, every projection quantized, so
+    the fused decoder call runs; its bits are the per-op path's."""
     loaded = load_model(str(kquant_file), progress=False, quantized=True)
-    with pytest.raises(ValueError, match="q4_k: no int8 kernel for this format yet"):
-        LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+    assert model.fused_layers
+    layer = model.layers[0]
+    formats = [p.quantized.format.name for p in (layer.qkv, layer.o_proj, layer.gate_up)]
+    assert formats == ["q8_0", "q4_1", "q8_0"]  # q|k|v: Q4_K beside Q6_K, all Q8_0 and layer.down.quantized.format.name == "q8_0"
+    meta, positions, blocks = _step([5, 1], [5, 30])
+    token_ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    outs = []
+    for fused in (False, True):
+        model.fused_layers = fused
+        outs.append(model.forward(token_ids, positions, _caches(model, blocks, seed=1), meta))
+    assert torch.equal(outs[0], outs[1])
 
 
 # Tiny files of each K-quant mix, against transformers loading the same file (it
