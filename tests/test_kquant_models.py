@@ -152,7 +152,8 @@ def test_int8_mode_converts_them_to_its_formats(kquant_file):
     assert model.fused_layers
     layer = model.layers[0]
     formats = [p.quantized.format.name for p in (layer.qkv, layer.o_proj, layer.gate_up)]
-    assert formats == ["q8_0", "q4_1", "q8_0"]  # q|k|v: Q4_K beside Q6_K, all Q8_0 and layer.down.quantized.format.name == "q8_0"
+    # q|k|v: Q4_K beside Q6_K, all Q8_0; o Q4_K -> Q4_1; gate|up Q5_K and down Q5_0 -> Q8_0
+    assert formats == ["q8_0", "q4_1", "q8_0"] and layer.down.quantized.format.name == "q8_0"
     meta, positions, blocks = _step([5, 1], [5, 30])
     token_ids = torch.tensor([1, 2, 3, 4, 5, 6])
     outs = []
