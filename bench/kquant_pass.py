@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantized", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    cpu.use_torch_threads()  # the kernels' OpenMP team: the same count
     if args.rss_child:
         return rss_child(args.rss_child, bool(args.quantized))
     if not args.files:
