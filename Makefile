@@ -118,6 +118,24 @@ bench-decode: setup ## single-sequence decode tokens/s, headrace vs HF transform
 bench-speculative: setup ## n-gram speculative decoding vs none: copy, free-form, 48 mixed
 	$(PY) -m bench.speculative $(ARGS)
 
+# llama.cpp's llama-quantize, built from the llama-cpp-python sdist's vendored llama.cpp (only
+# that target), cached outside the tree: makes the K-quant test and benchmark files.
+LLAMA_CPP_PYTHON ?= 0.3.36
+LLAMA_QUANTIZE_DIR ?= $(HOME)/.cache/headrace/llama-quantize-$(LLAMA_CPP_PYTHON)
+LLAMA_QUANTIZE := $(LLAMA_QUANTIZE_DIR)/build/bin/llama-quantize
+
+.PHONY: llama-quantize
+llama-quantize: setup ## build llama.cpp's llama-quantize (cached in ~/.cache/headrace)
+	@test -x $(LLAMA_QUANTIZE) || { set -e; mkdir -p $(LLAMA_QUANTIZE_DIR); cd $(LLAMA_QUANTIZE_DIR); \
+	  test -f sdist.tar.gz || { $(abspath $(PY)) -m pip download -q --no-deps --no-binary :all: \
+	    -d sdist "llama-cpp-python==$(LLAMA_CPP_PYTHON)" && mv sdist/*.tar.gz sdist.tar.gz; }; \
+	  tar xzf sdist.tar.gz --strip-components=3 --wildcards '*/vendor/llama.cpp/*'; \
+	  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+	    -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	    -DLLAMA_BUILD_SERVER=OFF > cmake.log; \
+	  cmake --build build --target llama-quantize -j 2 > build.log; }
+	@echo $(LLAMA_QUANTIZE)
+
 .PHONY: bench-cpu
 bench-cpu: setup ## CPU: headrace serve vs HF (and llama-server if on PATH): tok/s, TTFT, RSS
 	$(PY) -m bench.cpu_compare $(ARGS)

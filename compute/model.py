@@ -44,8 +44,8 @@ class Projection:
     ) -> None:
         self.bias, self.int8 = bias, int8
         self.quantized = weight if isinstance(weight, QuantizedWeight) else None
-        if self.quantized is not None and int8:
-            self.quantized = self.quantized.tiled()  # the int8 kernel's layout
+        if self.quantized is not None and int8:  # the int8 kernel's formats and layout
+            self.quantized = self.quantized.for_int8().tiled()
         self.weight = None if self.quantized else weight.contiguous()
         on_cpu = self.weight is not None and self.weight.device.type == "cpu"
         self.weight_t = self.weight.t().contiguous() if on_cpu else None
@@ -59,14 +59,23 @@ class Projection:
         return F.linear(x, self.weight, self.bias)
 
 
-def fuse(parts: Sequence[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+def fuse(
+    parts: Sequence[torch.Tensor | QuantizedWeight], int8: bool = False
+) -> torch.Tensor | QuantizedWeight:
     """Stack the rows of several weights (q|k|v, gate|up). Quantized parts stay quantized
-    when they share a block format; mixed parts are dequantized (exactly) to fp32."""
+    when they share a block format, or (exact kernel) as a stack of their formats; else
+    they are dequantized (exactly) to fp32."""
+    if int8 and any(isinstance(p, QuantizedWeight) and p.format.file_order for p in parts):
+        # The int8 kernel's formats (kernels/quant.py for_int8), one for all the parts.
+        parts = [p.for_int8() if isinstance(p, QuantizedWeight) else p for p in parts]
+        if len({p.format.name for p in parts if isinstance(p, QuantizedWeight)}) > 1:
+            parts = [p.as_q8_0() if isinstance(p, QuantizedWeight) else p for p in parts]
     if all(isinstance(p, QuantizedWeight) for p in parts):
         try:
             return QuantizedWeight.cat(parts)  # type: ignore[arg-type]
         except ValueError:
-            pass
+            if not int8:
+                return QuantizedWeight.stack(parts)  # type: ignore[arg-type]
     return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
 
 
@@ -248,9 +257,13 @@ def _fuse_layer(weights: dict, i: int, cfg: ModelConfig, int8: bool) -> LayerWei
         qkv_bias = torch.cat([w(f"self_attn.{n}_proj.bias") for n in "qkv"])
     return LayerWeights(
         input_norm=w("input_layernorm.weight"),
-        qkv=Projection(fuse([w(f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias, int8),
+        qkv=Projection(
+            fuse([w(f"self_attn.{n}_proj.weight") for n in "qkv"], int8), qkv_bias, int8
+        ),
         o_proj=Projection(w("self_attn.o_proj.weight"), int8=int8),
         post_norm=w("post_attention_layernorm.weight"),
-        gate_up=Projection(fuse([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), int8=int8),
+        gate_up=Projection(
+            fuse([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], int8), int8=int8
+        ),
         down=Projection(w("mlp.down_proj.weight"), int8=int8),
     )

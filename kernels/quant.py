@@ -4,7 +4,9 @@ A GGUF tensor of a block format stores each run of 32 weights as one block (scal
 codes interleaved). ``QuantizedWeight`` keeps the same bytes, regrouped per row so that
 a row's codes are contiguous and its scales follow them (the layout is spelled out at
 the top of kernels/csrc/cpu/quant_linear.cpp); nothing is requantized, so every weight
-dequantizes to exactly the fp32 value of ``gguf.quants.dequantize``.
+dequantizes to exactly the fp32 value of ``gguf.quants.dequantize``. Q5_0, Q5_1 and the
+K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) keep the file's bytes unchanged
+(``file_order``): the exact kernel reads their blocks in place; they have no tiled layout.
 
 The int8 kernel reads a second arrangement of the same bytes, ``tiled()``: rows in tiles
 of 16, each block's codes interleaved 4 at a time across the tile's rows (spelled out in
@@ -30,15 +32,27 @@ class BlockFormat:
     name: str
     code: int  # the kernels' format number
     block_bytes: int  # bytes of one block in the GGUF file
-    code_bytes: int  # bytes of codes per block (16: nibbles, 32: int8)
+    code_bytes: int  # bytes of codes per block (16: nibbles, 32: int8); 0: file order
     scale_fields: int  # fp16 values per block after the codes: d, or d and m
+    block_values: int = BLOCK  # weights per block (256: a K-quant super-block)
+    # Rows keep the file's blocks as they are (no regrouping, no tiled layout): the
+    # exact kernel reads them in place (the layouts at the top of quant_linear.cpp).
+    file_order: bool = False
 
 
 FORMATS = {
     "q4_0": BlockFormat("q4_0", 0, 18, 16, 1),
     "q4_1": BlockFormat("q4_1", 1, 20, 16, 2),
     "q8_0": BlockFormat("q8_0", 2, 34, 32, 1),
+    "q5_0": BlockFormat("q5_0", 3, 22, 0, 0, file_order=True),
+    "q5_1": BlockFormat("q5_1", 4, 24, 0, 0, file_order=True),
+    "q4_k": BlockFormat("q4_k", 5, 144, 0, 0, 256, file_order=True),
+    "q5_k": BlockFormat("q5_k", 6, 176, 0, 0, 256, file_order=True),
+    "q6_k": BlockFormat("q6_k", 7, 210, 0, 0, 256, file_order=True),
 }
+# Weights of different formats stacked row-wise (QuantizedWeight.stack): data is a table of
+# the parts, each computed in its own format (quant_linear.cpp hr_quant_linear).
+STACKED = BlockFormat("stacked", 8, 0, 0, 0, file_order=True)
 
 
 @dataclass(frozen=True)
@@ -50,12 +64,17 @@ class QuantizedWeight:
     rows: int
     cols: int
     tiled_layout: bool = False  # rows in tiles of 16 (the int8 kernel's layout)
+    parts: tuple[QuantizedWeight, ...] = ()  # STACKED: the weights, top to bottom
 
     def __post_init__(self) -> None:
-        if self.cols % BLOCK:
-            raise ValueError(f"cols must be a multiple of {BLOCK}, got {self.cols}")
+        if self.format is STACKED:
+            return
+        values = self.format.block_values
+        if self.cols % values:
+            name = self.format.name
+            raise ValueError(f"cols must be a multiple of {values} ({name}), got {self.cols}")
         rows = -(-self.rows // TILE) * TILE if self.tiled_layout else self.rows
-        expected = (rows, self.cols // BLOCK * self.format.block_bytes)
+        expected = (rows, self.cols // values * self.format.block_bytes)
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
             raise ValueError(
                 f"data must be uint8 {expected}, got {self.data.dtype} {tuple(self.data.shape)}"
@@ -67,12 +86,33 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return sum(p.nbytes for p in self.parts) if self.parts else self.data.numel()
+
+    @staticmethod
+    def stack(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of several per-row weights of one width in different formats (the fused
+        q|k|v of a Q4_K_M file, where v is Q6_K on some layers): the exact kernel computes
+        each part in its own format into its columns of the output. The parts' tensors are
+        held here, their addresses in ``data`` (int64: count, then format, address, rows)."""
+        first = parts[0]
+        if any(p.cols != first.cols or p.tiled_layout or p.parts for p in parts):
+            raise ValueError("only per-row weights of one width can be stacked")
+        table = [len(parts)]
+        for p in parts:
+            table += [p.format.code, p.data.data_ptr(), p.rows]
+        data = torch.tensor(table, dtype=torch.int64).view(torch.uint8)
+        rows = sum(p.rows for p in parts)
+        return QuantizedWeight(STACKED, data, rows, first.cols, parts=tuple(parts))
 
     @classmethod
     def from_gguf(cls, fmt: str, blocks: torch.Tensor, cols: int) -> QuantizedWeight:
         """From a GGUF tensor's raw bytes (uint8, rows * cols / 32 blocks, row-major)."""
         f = FORMATS[fmt]
+        if cols % f.block_values:
+            raise ValueError(f"cols must be a multiple of {f.block_values} ({fmt}), got {cols}")
+        if f.file_order:
+            data = blocks.reshape(-1, cols // f.block_values * f.block_bytes).contiguous()
+            return cls(f, data, data.shape[0], cols)
         nb = cols // BLOCK
         b = blocks.reshape(-1, nb, f.block_bytes)
         rows = b.shape[0]
@@ -83,7 +123,7 @@ class QuantizedWeight:
 
     def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows ``index`` (a permutation or selection), in that order."""
-        if self.tiled_layout:
+        if self.tiled_layout or self.parts:
             raise ValueError("take_rows: the tiled layout moves rows in tiles; take them first")
         data = self.data[index].contiguous()
         return QuantizedWeight(self.format, data, len(index), self.cols)
@@ -93,11 +133,38 @@ class QuantizedWeight:
         """Rows of several weights of one format and width, stacked (fusing); per-row
         layout only (tile the result)."""
         first = parts[0]
+        if any(p.parts for p in parts):
+            raise ValueError("stacked weights cannot be concatenated")
         key = (first.format, first.cols, False)
         if any((p.format, p.cols, p.tiled_layout) != key for p in parts):
             raise ValueError("only per-row weights of one format and width can be stacked")
         data = torch.cat([p.data for p in parts])
         return QuantizedWeight(first.format, data, data.shape[0], first.cols)
+
+    def for_int8(self) -> QuantizedWeight:
+        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0), for the formats
+        kept in file order: Q5_0 becomes Q8_0 exactly (codes q - 16, the same d); Q4_K
+        becomes Q4_1 (the same nibbles; each block's d * sc and -dmin * m rounded to fp16,
+        a relative change below 2^-11 of the block's scale); Q5_1, Q5_K and Q6_K are
+        requantized to Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes rounded: an
+        error of at most d / 2 per weight). The int8 numerics approximate anyway (activations
+        in 8 bits, ~0.4% per element); the exact kernel keeps the file's weights."""
+        f, rows = self.format, self.rows
+        if not f.file_order:
+            return self
+        if self.parts:
+            raise ValueError("for_int8: convert the parts, then stack or fuse them")
+        if f.name == "q5_0":
+            d = self.data.reshape(rows, -1, 22)[..., :2].contiguous().view(torch.float16)
+            return _q8_0(rows, self.cols, d, _q5_codes(self.data, rows, 2) - 16)
+        if f.name == "q4_k":
+            return _q4_k_as_q4_1(self.data, rows, self.cols)
+        return _requantize_q8_0(self.dequantize())
+
+    def as_q8_0(self) -> QuantizedWeight:
+        """This weight requantized to Q8_0 (as for_int8 does: at most d / 2 per weight), for
+        stacking with Q8_0 parts in int8 mode; a Q8_0 weight as it is."""
+        return self if self.format.name == "q8_0" else _requantize_q8_0(self.dequantize())
 
     def tiled(self) -> QuantizedWeight:
         """The same weight in the int8 kernel's layout: rows in tiles of 16 (the last one
@@ -105,6 +172,12 @@ class QuantizedWeight:
         lane, then its scales block by block (spelled out in quant_linear_int8.cpp)."""
         if self.tiled_layout:
             return self
+        if self.format.file_order:
+            names = sorted({p.format.name for p in self.parts}) or [self.format.name]
+            raise ValueError(
+                f"{'+'.join(names)}: no int8 kernel for this format yet"
+                " (run these weights with --weights quantized)"
+            )
         f, nb, rows = self.format, self.cols // BLOCK, self.rows
         padded = -(-rows // TILE) * TILE
         codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
@@ -128,7 +201,7 @@ class QuantizedWeight:
 
     def codes(self) -> torch.Tensor:
         """The codes [rows, nb, 32] (uint8: nibbles 0..15, or int8's bytes), either layout."""
-        f, nb = self.format, self.cols // BLOCK
+        f, nb = self._regrouped(), self.cols // BLOCK
         if not self.tiled_layout:
             blocks = self.data[:, : nb * f.code_bytes].reshape(self.rows, nb, f.code_bytes)
             return torch.cat([blocks & 15, blocks >> 4], -1) if f.code_bytes == 16 else blocks
@@ -141,7 +214,7 @@ class QuantizedWeight:
 
     def scales(self) -> torch.Tensor:
         """The fp16 scales [rows, fields, nb] (d, then m for Q4_1), either layout."""
-        f, nb = self.format, self.cols // BLOCK
+        f, nb = self._regrouped(), self.cols // BLOCK
         if not self.tiled_layout:
             raw = self.data[:, nb * f.code_bytes :].contiguous()
             return raw.view(torch.float16).reshape(self.rows, f.scale_fields, nb)
@@ -149,9 +222,18 @@ class QuantizedWeight:
         h = tiles.contiguous().view(torch.float16).reshape(-1, f.scale_fields, nb, TILE)
         return h.permute(0, 3, 1, 2).reshape(-1, f.scale_fields, nb)[: self.rows]
 
+    def _regrouped(self) -> BlockFormat:
+        if self.format.file_order:
+            raise ValueError(f"{self.format.name}: codes and scales are read in file order")
+        return self.format
+
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, cols], computed with torch (reference of the kernels' expansion)."""
         f = self.format
+        if self.parts:
+            return torch.cat([p.dequantize() for p in self.parts])
+        if f.file_order:
+            return _DEQUANTIZE_FILE_ORDER[f.name](self.data, self.rows).reshape(self.rows, -1)
         halves = self.scales()
         d = halves[:, 0].float().unsqueeze(-1)
         q = self.codes()
@@ -159,3 +241,110 @@ class QuantizedWeight:
             return (q.view(torch.int8).float() * d).reshape(self.rows, self.cols)
         offset = halves[:, 1].float().unsqueeze(-1) if f.scale_fields == 2 else -8.0 * d
         return (q.float() * d + offset).reshape(self.rows, self.cols)
+
+
+# The formats kept in file order, dequantized with torch as gguf.quants does with numpy
+# (the same fp32 operations in the same order, so the same bits).
+
+
+def _halves(b: torch.Tensor) -> torch.Tensor:
+    """fp16 bytes [..., 2] -> fp32 [..., 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _q5_codes(data: torch.Tensor, rows: int, h: int) -> torch.Tensor:
+    """The 5-bit codes [rows, nb, 32] of Q5_0 (h = 2 header bytes) or Q5_1 (h = 4)."""
+    b = data.reshape(rows, -1, h + 20).int()
+    qh = b[..., h] | b[..., h + 1] << 8 | b[..., h + 2] << 16 | b[..., h + 3] << 24
+    high = (qh.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    qs = b[..., h + 4 :]
+    return torch.cat([qs & 15, qs >> 4], dim=-1) | high << 4
+
+
+def _q5(data: torch.Tensor, rows: int, with_min: bool) -> torch.Tensor:
+    h = 4 if with_min else 2
+    raw = data.reshape(rows, -1, h + 20)
+    d, q = _halves(raw[..., :2]), _q5_codes(data, rows, h)
+    if with_min:
+        return d * q.float() + _halves(raw[..., 2:4])
+    return d * (q - 16).float()
+
+
+def _scale_min_k(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 packed bytes [..., 12] -> 6-bit scales and mins [..., 8] (gguf's get_scale_min)."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _qk(data: torch.Tensor, rows: int, high_bits: bool) -> torch.Tensor:
+    size = 176 if high_bits else 144
+    raw = data.reshape(rows, -1, size)
+    b = raw.int()
+    d, dmin = _halves(raw[..., 0:2]), _halves(raw[..., 2:4])
+    sc, mn = _scale_min_k(b[..., 4:16])
+    qs = b[..., size - 128 :].reshape(rows, -1, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(rows, -1, 8, 32)
+    if high_bits:
+        qh = b[..., 16:48].reshape(rows, -1, 1, 32)
+        q = q | ((qh >> torch.arange(8, dtype=torch.int32).reshape(8, 1)) & 1) << 4
+    scale = (d * sc.float()).unsqueeze(-1)
+    offset = (dmin * mn.float()).unsqueeze(-1)
+    return scale * q.float() - offset
+
+
+def _q6k(data: torch.Tensor, rows: int) -> torch.Tensor:
+    raw = data.reshape(rows, -1, 210)
+    b = raw.int()
+    ql = b[..., :128].reshape(rows, -1, 2, 1, 64)
+    low = torch.cat([ql & 15, ql >> 4], dim=3).reshape(rows, -1, 8, 32)
+    qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).reshape(4, 1)) & 3).reshape(
+        rows, -1, 8, 32
+    )
+    q = ((low | high << 4) - 32).float().reshape(rows, -1, 16, 16)
+    scales = raw[..., 192:208].contiguous().view(torch.int8).float()
+    scale = (_halves(raw[..., 208:210]) * scales).unsqueeze(-1)
+    return scale * q
+
+
+def _q8_0(rows: int, cols: int, d: torch.Tensor, codes: torch.Tensor) -> QuantizedWeight:
+    """A Q8_0 weight from fp16 d [rows, nb, 1] and integer-valued codes [rows, nb, 32]."""
+    blocks = torch.cat(
+        [d.view(torch.uint8), codes.to(torch.int8).view(torch.uint8)], dim=-1
+    ).reshape(rows, -1)
+    return QuantizedWeight.from_gguf("q8_0", blocks, cols)
+
+
+def _requantize_q8_0(w: torch.Tensor) -> QuantizedWeight:
+    """fp32 [rows, cols] to Q8_0: d = fp16(amax / 127) per block, codes round(w / d) with
+    that d (ggml divides by the fp32 d: a code can then be off by d's fp16 rounding)."""
+    rows, cols = w.shape
+    blocks = w.reshape(rows, -1, BLOCK)
+    d = (blocks.abs().amax(dim=-1, keepdim=True) / 127.0).half()
+    df = d.float()
+    codes = torch.where(df > 0, blocks / df, torch.zeros_like(blocks))
+    return _q8_0(rows, cols, d, codes.round().clamp(-127, 127))
+
+
+def _q4_k_as_q4_1(data: torch.Tensor, rows: int, cols: int) -> QuantizedWeight:
+    raw = data.reshape(rows, -1, 144)
+    b = raw.int()
+    sc, mn = _scale_min_k(b[..., 4:16])
+    d = (_halves(raw[..., 0:2]) * sc.float()).half().reshape(rows, -1, 1)
+    m = (-(_halves(raw[..., 2:4]) * mn.float())).half().reshape(rows, -1, 1)
+    qs = raw[..., 16:].reshape(rows, -1, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(rows, -1, 32)  # [rows, nb, 32] codes
+    packed = q[..., :16] | (q[..., 16:] << 4)  # Q4_1: low nibbles 0-15, high 16-31
+    parts = [d.view(torch.uint8), m.view(torch.uint8), packed]
+    return QuantizedWeight.from_gguf("q4_1", torch.cat(parts, dim=-1).reshape(rows, -1), cols)
+
+
+_DEQUANTIZE_FILE_ORDER = {
+    "q5_0": lambda data, rows: _q5(data, rows, with_min=False),
+    "q5_1": lambda data, rows: _q5(data, rows, with_min=True),
+    "q4_k": lambda data, rows: _qk(data, rows, high_bits=False),
+    "q5_k": lambda data, rows: _qk(data, rows, high_bits=True),
+    "q6_k": _q6k,
+}

@@ -200,11 +200,11 @@ class DeviceConfig:
     # CPU steps on the compiled CPU kernels ("native", fp32 only) or torch ("torch");
     # "auto" = native when they build on this machine and the dtype is fp32.
     cpu_kernels: str = "auto"
-    # "dense" dequantizes a GGUF model to --dtype at load (the reference numerics);
-    # "quantized" keeps its Q4_0/Q4_1/Q8_0 matrices in their blocks (CPU kernels, ~5x less
-    # memory, weights bit-identical, fp32 math); "quantized-int8" also quantizes activations
-    # to int8 per 32 values, as llama.cpp does (fastest, approximate); "auto" = quantized
-    # when the CPU kernels run, dense otherwise.
+    # "dense" dequantizes a GGUF model to --dtype at load (the reference numerics); "quantized"
+    # keeps its Q4_0/Q4_1/Q8_0/Q5_x/K-quant matrices in their blocks (CPU kernels, ~5x less
+    # memory, weights bit-identical, fp32 math); "quantized-int8" also quantizes activations to
+    # int8 per 32 values, as llama.cpp does (fastest, approximate); "auto" = quantized when the
+    # CPU kernels run, dense otherwise.
     weights: str = "auto"
 
     def __post_init__(self) -> None:

@@ -26,8 +26,9 @@ def load_model(
 ) -> LoadedModel:
     """Load `source`: "default", a `.gguf` file, an HF directory, or `dummy:<shape>`.
 
-    ``quantized``: keep a GGUF file's Q4_0/Q4_1/Q8_0 matrices in their blocks (for the CPU
-    kernels); other sources and formats load dense either way."""
+    ``quantized``: keep a GGUF file's block-quantized matrices (Q4_0/Q4_1/Q8_0, Q5_0/Q5_1,
+    Q4_K/Q5_K/Q6_K) in their blocks (for the CPU kernels); other sources and formats load
+    dense either way."""
     # Format loaders are imported when used: only GGUF users pay for gguf, and so on.
     if source.startswith(DUMMY_PREFIX):
         from compute.loaders.dummy import load_dummy

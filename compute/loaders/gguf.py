@@ -3,8 +3,9 @@
 Metadata gives the ModelConfig and the tokenizer; each tensor is renamed from llama.cpp's names
 to HF Llama names and either dequantized with `gguf.quants.dequantize` (vectorised numpy, any
 quantization the package supports) and cast to the requested dtype and device, or, when asked
-(``quantized=True``) and its format is one the CPU kernels read (Q4_0, Q4_1, Q8_0), kept in
-its blocks as a kernels.quant.QuantizedWeight.
+(``quantized=True``) and its format is one the CPU kernels read (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K), kept in its blocks as a kernels.quant.QuantizedWeight. Matrices of any other
+quantized type load dequantized, named in one warning.
 """
 
 from __future__ import annotations
@@ -54,7 +55,18 @@ _KEPT_FORMATS = {
     gguf.GGMLQuantizationType.Q4_0: "q4_0",
     gguf.GGMLQuantizationType.Q4_1: "q4_1",
     gguf.GGMLQuantizationType.Q8_0: "q8_0",
+    gguf.GGMLQuantizationType.Q5_0: "q5_0",
+    gguf.GGMLQuantizationType.Q5_1: "q5_1",
+    gguf.GGMLQuantizationType.Q4_K: "q4_k",
+    gguf.GGMLQuantizationType.Q5_K: "q5_k",
+    gguf.GGMLQuantizationType.Q6_K: "q6_k",
 }
+# Types that are not block quantizations: these load as dense tensors in any mode.
+_DENSE_TYPES = (
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+)
 
 
 def load_gguf(
@@ -193,6 +205,7 @@ def _read_weights(
 ) -> dict[str, torch.Tensor | QuantizedWeight]:
     permuted = config.architecture in _PERMUTED_ARCHITECTURES
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    unsupported: dict[str, list[str]] = {}  # quantized type -> tensors dequantized anyway
     bar = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress)
     for tensor in bar:
         name = _hf_name(tensor.name)
@@ -206,10 +219,18 @@ def _read_weights(
                 continue
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name}")
         keep = quantized and tensor.tensor_type in _KEPT_FORMATS and len(tensor.shape) == 2
+        if quantized and not keep and tensor.tensor_type not in _DENSE_TYPES:
+            unsupported.setdefault(tensor.tensor_type.name, []).append(tensor.name)
         weight = _kept(tensor) if keep else torch.from_numpy(_dequantize(tensor, path))
         if permuted and ".q_proj." in name:
             weight = _unpermute(weight, config.num_heads)
         elif permuted and ".k_proj." in name:
             weight = _unpermute(weight, config.num_kv_heads)
         weights[name] = weight if keep else weight.to(device=device, dtype=dtype)
+    if unsupported:
+        log.warning(
+            "no CPU kernel for these quantized types: tensors dequantized to dense",
+            path=str(path),
+            tensors={kind: ", ".join(names) for kind, names in unsupported.items()},
+        )
     return weights

@@ -194,6 +194,8 @@ def quantize_activations(x: Tensor) -> Tensor:
 
 def dequantize_rows(weight: QuantizedWeight, rows: Tensor | None = None) -> Tensor:
     """fp32 copies of `rows` (int64 indices; None = all) of the weight, bit-exact."""
+    if weight.parts:
+        raise ValueError("weight: a stacked weight has no row kernel (dequantize() it)")
     count = weight.rows if rows is None else rows.shape[0]
     if rows is not None:
         _check("rows", rows, torch.int64, (None,))

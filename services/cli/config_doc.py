@@ -85,9 +85,9 @@ directory of safetensors. `--seed` also seeds unseeded sampling.
 - `--async-output`: outputs come one step later, with the same tokens (tested on the
   CPU); off on the CPU, where a step is done when its launch returns, so there is nothing
   to overlap ([architecture.md](architecture.md)).
-- `--weights` applies to GGUF models: `quantized` keeps the Q4_0/Q4_1/Q8_0 blocks; `auto`
-  is `quantized` on the CPU kernels, else `dense`. What each mode costs and how exact it
-  is: [architecture.md](architecture.md#cpu-kernels-and-weight-modes).
+- `--weights` applies to GGUF models: `quantized` keeps the Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and
+  Q4_K/Q5_K/Q6_K blocks; `auto` is `quantized` on the CPU kernels, else `dense`. What each
+  mode costs and how exact it is: [architecture.md](architecture.md#cpu-kernels-and-weight-modes).
 """,
     "cache": """\
 `--block-size` on CUDA: 16 or 32. With neither `--num-blocks` nor

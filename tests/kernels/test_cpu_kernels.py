@@ -25,6 +25,9 @@ GGUF_TYPES = {
     "q4_1": gguf.GGMLQuantizationType.Q4_1,
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
 }
+# The formats regrouped per row (and tiled for the int8 kernel); those kept in the file's
+# order (K-quants, Q5_x) are tested in test_cpu_kquants.py.
+REGROUPED = sorted(name for name, f in FORMATS.items() if not f.file_order)
 
 
 def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -38,7 +41,7 @@ def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", REGROUPED)
 def test_packed_weights_dequantize_bit_exact_to_gguf(fmt):
     blocks = random_blocks(fmt, 8, 96)
     expected = gguf.quants.dequantize(blocks.numpy(), GGUF_TYPES[fmt]).reshape(8, 96)
@@ -49,7 +52,7 @@ def test_packed_weights_dequantize_bit_exact_to_gguf(fmt):
     assert torch.equal(cpu.dequantize_rows(weight, rows), weight.dequantize()[rows])
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", REGROUPED)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, 13, 100, 200])
 def test_quant_linear_matches_dense_product(fmt, n):
     rows, cols = 4 * 9 + 3, 160  # a tail of rows that is not a multiple of 4
@@ -259,7 +262,7 @@ def test_a_query_gives_the_same_bits_decoded_or_in_a_prefill_chunk(kv_dtype):
         assert torch.equal(got, prefill[pos : pos + 1]), pos
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", REGROUPED)
 @pytest.mark.parametrize("cols", [32, 64, 576])
 @pytest.mark.parametrize("rows", [1, 16, 21])  # one partial tile, one whole, one and a part
 def test_tiled_layout_holds_the_same_weights(fmt, cols, rows):
@@ -280,7 +283,7 @@ def test_tiled_layout_holds_the_same_weights(fmt, cols, rows):
         tiled.take_rows(picked)
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", REGROUPED)
 @pytest.mark.parametrize("n", [1, 3, 8, 15, 100])  # register tiles of 8 rows + the rest
 @pytest.mark.parametrize("cols", [32, 576])
 @pytest.mark.parametrize("rows", [13, 37])  # a partial tile; two whole ones and a partial
@@ -329,7 +332,7 @@ def test_int8_linear_gives_the_same_bits_on_every_isa():
         pytest.skip(f"this CPU runs only {runnable}")
     x = torch.randn(11, 576)
     x[3] *= 1e3  # large activations: codes at +-127 against Q8_0's +-127
-    for fmt in sorted(FORMATS):
+    for fmt in REGROUPED:
         weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, 576, seed=7), 576).tiled()
         bias = torch.randn(37)
         outs = []

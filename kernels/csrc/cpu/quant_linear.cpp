@@ -7,7 +7,9 @@
 //             (weight = d[b] * q + m[b])
 //   Q8_0 row: nb * 32 int8 codes, then nb fp16 scales d (weight = d[b] * q)
 // (in a block of 32 weights, low nibbles are weights 0-15 and high nibbles 16-31)
-// with nb = k / 32. d * q is exact in fp32 (an 11-bit mantissa times a 4- or 8-bit
+// with nb = k / 32. Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) keep the file's blocks
+// as they are (their layouts are spelled out above their expansions below); each format
+// gives every block of 32 weights a d and an m, so they all run through the same kernels. d * q is exact in fp32 (an 11-bit mantissa times a 4- or 8-bit
 // integer) and so is Q4_0's d*q - 8d, so each weight is bit-identical to the fp32
 // value gguf.quants.dequantize gives.
 //
@@ -37,7 +39,7 @@ constexpr int64_t kAheadBytes = 4096;
 
 // Q4_0 and Q4_1 expand alike, d * q + m; Q4_0's m is -8d (gguf's d * (q - 8), exactly).
 struct Nibbles {
-  static constexpr int64_t kCodeBytes = 16;
+  static constexpr int64_t kCodeBytes = 16, kBlocks = 1, kStride = 16;
   static inline void expand(const uint8_t* row, int64_t b, float d, float m, v16f& lo,
                             v16f& hi) {
     nibbles_to_float(row + b * 16, lo, hi);
@@ -63,7 +65,7 @@ struct Q4_1 : Nibbles {
 };
 
 struct Q8_0 {
-  static constexpr int64_t kBytes = 34, kCodeBytes = 32;
+  static constexpr int64_t kBytes = 34, kCodeBytes = 32, kBlocks = 1, kStride = 32;
   static void scales(const uint8_t* row, int64_t nb, float* d, float*) {
     halves_to_float(row + nb * 32, nb, d);
   }
@@ -71,6 +73,146 @@ struct Q8_0 {
                             v16f& hi) {
     lo = int8_to_float(row + b * 32) * d;
     hi = int8_to_float(row + b * 32 + 16) * d;
+  }
+};
+
+// Q5_0 and Q5_1: 32-value blocks kept as in the file (d, [m,] 4 bytes of high bits,
+// 16 bytes of nibbles); code i = nibble | bit i of the high-bit word << 4. Q5_0's weight
+// is d * (q - 16): expanded as d * q - 16d, exact like Q4_0's (both terms and their sum
+// fit fp32's mantissa); Q5_1's is d * q + m, as gguf computes it.
+// 16 bytes: lane i is 16 when bit i of `bits` (16 bits) is set, else 0.
+static inline __m128i high_bits16(uint32_t bits) {
+  const __m128i spread = _mm_shuffle_epi8(
+      _mm_cvtsi32_si128(static_cast<int>(bits)),
+      _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
+  const __m128i select = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(spread, select), select);
+  return _mm_and_si128(set, _mm_set1_epi8(16));
+}
+
+template <int64_t kHeader>  // bytes before the high bits: 2 (d) or 4 (d, m)
+struct Q5 {
+  static constexpr int64_t kBytes = kHeader + 20, kBlocks = 1, kStride = kBytes;
+  static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      d[b] = half_to_float(row + b * kBytes);
+      m[b] = kHeader == 4 ? half_to_float(row + b * kBytes + 2) : -16.0f * d[b];
+    }
+  }
+  static inline void expand(const uint8_t* row, int64_t b, float d, float m, v16f& lo,
+                            v16f& hi) {
+    const uint8_t* block = row + b * kBytes;
+    uint32_t qh;
+    std::memcpy(&qh, block + kHeader, 4);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kHeader + 4));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i q_lo = _mm_or_si128(_mm_and_si128(qs, mask), high_bits16(qh & 0xffff));
+    const __m128i q_hi =
+        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), high_bits16(qh >> 16));
+    lo = bytes_to_float(q_lo, false) * d + m;
+    hi = bytes_to_float(q_hi, false) * d + m;
+  }
+};
+using Q5_0 = Q5<2>;
+using Q5_1 = Q5<4>;
+
+// K-quants: super-blocks of 256 values (8 blocks of 32) kept as in the file (ggml-common.h).
+// scales() gives each block of 32 its own d and m, computed as gguf does (exact products:
+// an fp16 times a 6- or 8-bit integer), so expand() reads like the 32-value formats.
+//   Q4_K (144 bytes): d, dmin, 12 bytes of packed 6-bit scales and mins, 128 bytes of
+//     nibbles (block j: bytes 32 (j / 2).., low nibbles for even j, high for odd);
+//     weight = (d sc_j) q - (dmin m_j).
+//   Q5_K (176 bytes): as Q4_K with 32 bytes of high bits before the nibbles (value l of
+//     block j: bit j of byte l).
+//   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d;
+//     block j = 4h + s: nibbles of bytes 64h + 32 (s & 1).., shifted by 4 (s >> 1), high
+//     bits of bytes 32h.. shifted by 2s; weight = (d sc) (q - 32), sc = scales[2j] for
+//     values 0-15 and scales[2j + 1] for 16-31 (held in d and m: Q6_K has no min).
+
+// The 6-bit scale and min of block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
+static inline void scale_min_k4(const uint8_t* q, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+static inline __m128i load128(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// 16 bytes shifted right by `shift` bits (per 16-bit lane), low `mask` bits kept per byte.
+static inline __m128i bits_at(__m128i v, int shift, int mask) {
+  return _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(mask));
+}
+
+template <bool kHighBits>  // Q5_K when true, Q4_K otherwise
+struct QK {
+  static constexpr int64_t kBytes = kHighBits ? 176 : 144, kBlocks = 8, kStride = kBytes / 8;
+  static constexpr int64_t kCodes = kHighBits ? 48 : 16;  // offset of the nibbles
+  static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
+    for (int64_t s = 0; s < nb / 8; ++s) {
+      const uint8_t* sb = row + s * kBytes;
+      const float dd = half_to_float(sb), dmin = half_to_float(sb + 2);
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        scale_min_k4(sb + 4, j, sc, mn);
+        d[8 * s + j] = dd * static_cast<float>(sc);
+        m[8 * s + j] = -(dmin * static_cast<float>(mn));
+      }
+    }
+  }
+  static inline void expand(const uint8_t* row, int64_t b, float d, float m, v16f& lo,
+                            v16f& hi) {
+    const uint8_t* sb = row + (b >> 3) * kBytes;
+    const int j = static_cast<int>(b & 7);
+    const uint8_t* qs = sb + kCodes + 32 * (j >> 1);
+    __m128i q_lo = bits_at(load128(qs), 4 * (j & 1), 15);
+    __m128i q_hi = bits_at(load128(qs + 16), 4 * (j & 1), 15);
+    if (kHighBits) {
+      q_lo = _mm_or_si128(q_lo, _mm_slli_epi16(bits_at(load128(sb + 16), j, 1), 4));
+      q_hi = _mm_or_si128(q_hi, _mm_slli_epi16(bits_at(load128(sb + 32), j, 1), 4));
+    }
+    lo = bytes_to_float(q_lo, false) * d + m;
+    hi = bytes_to_float(q_hi, false) * d + m;
+  }
+};
+using Q4_K = QK<false>;
+using Q5_K = QK<true>;
+
+struct Q6_K {
+  static constexpr int64_t kBytes = 210, kBlocks = 8, kStride = 26;
+  static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
+    for (int64_t s = 0; s < nb / 8; ++s) {
+      const uint8_t* sb = row + s * kBytes;
+      const float dd = half_to_float(sb + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192);
+      for (int j = 0; j < 8; ++j) {
+        d[8 * s + j] = dd * static_cast<float>(sc[2 * j]);
+        m[8 * s + j] = dd * static_cast<float>(sc[2 * j + 1]);
+      }
+    }
+  }
+  static inline void expand(const uint8_t* row, int64_t b, float d, float m, v16f& lo,
+                            v16f& hi) {
+    const uint8_t* sb = row + (b >> 3) * kBytes;
+    const int j = static_cast<int>(b & 7), h = j >> 2, s = j & 3;
+    const uint8_t* ql = sb + 64 * h + 32 * (s & 1);
+    const uint8_t* qh = sb + 128 + 32 * h;
+    const __m128i bias = _mm_set1_epi8(32);
+    const __m128i q_lo = _mm_sub_epi8(
+        _mm_or_si128(bits_at(load128(ql), 4 * (s >> 1), 15),
+                     _mm_slli_epi16(bits_at(load128(qh), 2 * s, 3), 4)),
+        bias);
+    const __m128i q_hi = _mm_sub_epi8(
+        _mm_or_si128(bits_at(load128(ql + 16), 4 * (s >> 1), 15),
+                     _mm_slli_epi16(bits_at(load128(qh + 16), 2 * s, 3), 4)),
+        bias);
+    lo = bytes_to_float(q_lo, true) * d;
+    hi = bytes_to_float(q_hi, true) * m;
   }
 };
 
@@ -100,7 +242,7 @@ void group_direct(const Group<F, G>& g, const float* x, int64_t k, float* out, i
   for (int64_t b = 0; b < g.nb; ++b) {
     for (int i = 0; i < G; ++i) {
       const char* row = reinterpret_cast<const char*>(g.rows[i]);
-      _mm_prefetch(row + b * F::kCodeBytes + kAheadBytes, _MM_HINT_T0);
+      _mm_prefetch(row + b * F::kStride + kAheadBytes, _MM_HINT_T0);
     }
     v16f lo[G], hi[G];
     for (int i = 0; i < G; ++i)
@@ -186,26 +328,27 @@ Group<F, G> make_group(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t 
 
 // Weight rows [r0, r1) of one thread, groups of G rows.
 template <class F, int G>
-void rows_range(const float* x, int64_t n, int64_t k, const uint8_t* w, int64_t m,
+void rows_range(const float* x, int64_t n, int64_t k, const uint8_t* w, int64_t ldo,
                 int64_t r0, int64_t r1, float* out, const float* bias, Scratch& s) {
-  const int64_t nb = k / 32, row_bytes = nb * F::kBytes;
+  const int64_t nb = k / 32, row_bytes = nb / F::kBlocks * F::kBytes;
   if (n <= kDirectMax) {
     for (int64_t r = r0; r + G <= r1; r += G)
-      run_direct<F, G>(make_group<F, G>(w, row_bytes, nb, r, s), x, n, k, out, m, r, bias);
+      run_direct<F, G>(make_group<F, G>(w, row_bytes, nb, r, s), x, n, k, out, ldo, r, bias);
     return;
   }
   for (int64_t t0 = 0; t0 < n; t0 += kXTile) {
     const int64_t t1 = std::min(n, t0 + kXTile);
     for (int64_t r = r0; r + G <= r1; r += G) {
       expand_group<F, G>(make_group<F, G>(w, row_bytes, nb, r, s), s.wbuf.data());
-      run_buffered<G>(s.wbuf.data(), x, t0, t1, k, out, m, r, bias);
+      run_buffered<G>(s.wbuf.data(), x, t0, t1, k, out, ldo, r, bias);
     }
   }
 }
 
+// ldo: the row stride of out (m, or wider when W is one part of a stacked weight).
 template <class F>
 void linear(const float* x, int64_t n, int64_t k, const uint8_t* w, int64_t m, float* out,
-            const float* bias) {
+            int64_t ldo, const float* bias) {
   const int64_t groups = m / kGroup, tail = groups * kGroup;
 #pragma omp parallel if (n * k * m >= kParallelWork)
   {
@@ -215,16 +358,16 @@ void linear(const float* x, int64_t n, int64_t k, const uint8_t* w, int64_t m, f
     s.m.resize(kGroup * (k / 32));
     if (n > kDirectMax) s.wbuf.resize(kGroup * k);
     const int64_t r0 = groups * id / threads * kGroup, r1 = groups * (id + 1) / threads * kGroup;
-    rows_range<F, kGroup>(x, n, k, w, m, r0, r1, out, bias, s);
+    rows_range<F, kGroup>(x, n, k, w, ldo, r0, r1, out, bias, s);
     if (id == threads - 1)  // the m % kGroup rows left over, one at a time
-      rows_range<F, 1>(x, n, k, w, m, tail, m, out, bias, s);
+      rows_range<F, 1>(x, n, k, w, ldo, tail, m, out, bias, s);
   }
 }
 
 template <class F>
 void dequantize_rows(const uint8_t* w, int64_t k, const int64_t* rows, int64_t count,
                      float* out) {
-  const int64_t nb = k / 32, row_bytes = nb * F::kBytes;
+  const int64_t nb = k / 32, row_bytes = nb / F::kBlocks * F::kBytes;
 #pragma omp parallel if (count * k > (1 << 16))
   {
     Scratch s;
@@ -238,16 +381,41 @@ void dequantize_rows(const uint8_t* w, int64_t k, const int64_t* rows, int64_t c
   }
 }
 
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5,
+                        kQ5_K = 6, kQ6_K = 7, kStacked = 8 };
+
+void linear_of(int64_t format, const float* x, int64_t n, int64_t k, const uint8_t* w,
+               int64_t m, float* out, int64_t ldo, const float* bias) {
+  switch (format) {
+    case kQ4_0: return linear<Q4_0>(x, n, k, w, m, out, ldo, bias);
+    case kQ4_1: return linear<Q4_1>(x, n, k, w, m, out, ldo, bias);
+    case kQ5_0: return linear<Q5_0>(x, n, k, w, m, out, ldo, bias);
+    case kQ5_1: return linear<Q5_1>(x, n, k, w, m, out, ldo, bias);
+    case kQ4_K: return linear<Q4_K>(x, n, k, w, m, out, ldo, bias);
+    case kQ5_K: return linear<Q5_K>(x, n, k, w, m, out, ldo, bias);
+    case kQ6_K: return linear<Q6_K>(x, n, k, w, m, out, ldo, bias);
+    default: return linear<Q8_0>(x, n, k, w, m, out, ldo, bias);
+  }
+}
 
 }  // namespace
 
-// out[n, m] = x[n, k] @ W[m, k]^T (+ bias[m]); W in `format`'s packed rows; k % 32 == 0.
+// out[n, m] = x[n, k] @ W[m, k]^T (+ bias[m]); W in `format`'s packed rows; k % 32 == 0
+// (k % 256 == 0 for the K-quants), or (kStacked) a table of parts.
 HR_EXPORT void hr_quant_linear(int64_t format, const float* x, int64_t n, int64_t k,
                                const uint8_t* w, int64_t m, float* out, const float* bias) {
-  if (format == kQ4_0) return linear<Q4_0>(x, n, k, w, m, out, bias);
-  if (format == kQ4_1) return linear<Q4_1>(x, n, k, w, m, out, bias);
-  return linear<Q8_0>(x, n, k, w, m, out, bias);
+  if (format != kStacked) return linear_of(format, x, n, k, w, m, out, m, bias);
+  // A stack of weights of different formats (fused q|k|v of a Q4_K_M file: Q6_K v rows
+  // beside Q4_K q and k): w is int64 [parts, then per part format, weight, rows]; each part
+  // fills its own columns of out (the same sums as if it ran alone).
+  const int64_t* table = reinterpret_cast<const int64_t*>(w);
+  int64_t r = 0;
+  for (int64_t i = 0; i < table[0]; ++i) {
+    const int64_t* part = table + 1 + 3 * i;
+    const auto* weight = reinterpret_cast<const uint8_t*>(static_cast<intptr_t>(part[1]));
+    linear_of(part[0], x, n, k, weight, part[2], out + r, m, bias ? bias + r : nullptr);
+    r += part[2];
+  }
 }
 
 // out[i, :] = W[rows[i], :] in fp32 (rows == nullptr: rows 0..count-1), bit-exact.
@@ -255,5 +423,10 @@ HR_EXPORT void hr_dequantize_rows(int64_t format, const uint8_t* w, int64_t k,
                                   const int64_t* rows, int64_t count, float* out) {
   if (format == kQ4_0) return dequantize_rows<Q4_0>(w, k, rows, count, out);
   if (format == kQ4_1) return dequantize_rows<Q4_1>(w, k, rows, count, out);
+  if (format == kQ5_0) return dequantize_rows<Q5_0>(w, k, rows, count, out);
+  if (format == kQ5_1) return dequantize_rows<Q5_1>(w, k, rows, count, out);
+  if (format == kQ4_K) return dequantize_rows<Q4_K>(w, k, rows, count, out);
+  if (format == kQ5_K) return dequantize_rows<Q5_K>(w, k, rows, count, out);
+  if (format == kQ6_K) return dequantize_rows<Q6_K>(w, k, rows, count, out);
   return dequantize_rows<Q8_0>(w, k, rows, count, out);
 }

@@ -1,0 +1,150 @@
+"""One row through every weight of the model, a K-quant file against the Q4_1 file.
+
+A decode step reads every weight once; this times exactly that part of it (the projections
+of all layers in a step's order, then the lm_head) with one input row, for each file and
+--weights mode (``quantized``: the exact kernel on the file's blocks; ``quantized-int8``:
+the int8 kernel on kernels/quant.py for_int8's formats). Reported: ms per pass, the
+passes per second that bounds tokens/s, and the GB/s of weight bytes read, beside a plain
+read of a large tensor (what this machine streams, same threads). The cases alternate
+within each repetition (A/B interleaved): the machine is shared, so a busy spell hits all
+of them alike. Also the idle RSS of each file's model loaded in blocks and dequantized
+(a fresh process each, model built as the engine builds it).
+
+Default files: the embedded SmolLM2 (Q4_1) and the same model requantized to Q4_K_M by
+llama-quantize (bench/requantize.py; ``make llama-quantize`` first).
+Run: ``python bench/kquant_pass.py``; writes bench/results/kquant-pass-<stamp>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+
+from compute.loaders import load_model
+from compute.model import fuse
+from kernels.cpu import launch as cpu
+
+
+def matrices(path: str, int8: bool) -> list:
+    """Every projection of the file's model in a decode step's order, as the engine holds
+    them (fused q|k|v and gate|up), then the lm_head."""
+    q = load_model(path, quantized=True, progress=False).weights
+    layers = 1 + max(int(k.split(".")[2]) for k in q if k.startswith("model.layers."))
+    out = []
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.append(fuse([q[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"], int8))
+        out.append(q[f"{p}self_attn.o_proj.weight"])
+        out.append(fuse([q[f"{p}mlp.gate_proj.weight"], q[f"{p}mlp.up_proj.weight"]], int8))
+        out.append(q[f"{p}mlp.down_proj.weight"])
+    out.append(q.get("lm_head.weight", q["model.embed_tokens.weight"]))
+    dense = [w for w in out if isinstance(w, torch.Tensor)]
+    if dense:  # e.g. an F16 embedding: not a block format, left out of the pass
+        print(f"{path}: {len(dense)} dense matrices left out")
+        out = [w for w in out if not isinstance(w, torch.Tensor)]
+    if int8:
+        out = [w.for_int8().tiled() for w in out]
+    return out
+
+
+def stream_gb_s(threads: int, mib: int = 512) -> float:
+    """Read bandwidth of a plain sum over a large tensor (best of 5)."""
+    x = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def rss_child(path: str, quantized: bool) -> None:
+    from compute.memory_report import process_rss_bytes
+    from compute.model import LlamaModel
+
+    loaded = load_model(path, quantized=quantized, progress=False)
+    model = LlamaModel(loaded.config, loaded.weights, native=True)
+    loaded.weights.clear()
+    gc.collect()
+    print(json.dumps({"rss_mib": process_rss_bytes() / 2**20, "layers": len(model.layers)}))
+
+
+def idle_rss(path: str, quantized: bool) -> float:
+    cmd = [sys.executable, __file__, "--rss-child", path, "--quantized", str(int(quantized))]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["rss_mib"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+    p.add_argument("--files", nargs="*", help="GGUF files (default: Q4_K_M and Q4_1 SmolLM2)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=15, help="interleaved rounds (median)")
+    p.add_argument("--passes", type=int, default=20, help="passes per case per round")
+    p.add_argument("--rss-child", help=argparse.SUPPRESS)
+    p.add_argument("--quantized", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cpu.use_torch_threads()  # the kernels' OpenMP team: the same count
+    if args.rss_child:
+        return rss_child(args.rss_child, bool(args.quantized))
+    if not args.files:
+        from requantize import requantized
+
+        from compute.loaders.default_model import default_model_path
+
+        args.files = [str(requantized("Q4_K_M")), str(default_model_path())]
+    cases = {}
+    for path in args.files:
+        for mode in ("quantized", "quantized-int8"):
+            ws = matrices(path, mode.endswith("int8"))
+            xs = {w.cols: torch.randn(1, w.cols) for w in ws}
+            cases[(Path(path).name, mode)] = (ws, xs, mode.endswith("int8"))
+    samples: dict = {key: [] for key in cases}
+    load = [common.load_average()]
+    for _ in range(args.reps):  # A/B interleaved
+        for key, (ws, xs, int8) in cases.items():
+            t = time.perf_counter()
+            for _ in range(args.passes):
+                for w in ws:
+                    cpu.quant_linear(xs[w.cols], w, int8=int8, check=False)
+            samples[key].append((time.perf_counter() - t) / args.passes)
+    load.append(common.load_average())
+    rows = []
+    for (name, mode), (ws, _, _) in cases.items():
+        seconds = statistics.median(samples[(name, mode)])
+        nbytes = sum(w.nbytes for w in ws)
+        formats = sorted({f.format.name for w in ws for f in (w.parts or (w,))})
+        rows.append({"file": name, "weights": mode, "formats": formats, "bytes": nbytes,
+                     "ms": 1e3 * seconds, "passes_per_s": 1 / seconds,
+                     "gb_s": nbytes / seconds / 1e9,
+                     "ms_min": 1e3 * min(samples[(name, mode)])})  # fmt: skip
+        print(f"{name:40s} {mode:15s} {nbytes / 1e6:6.1f} MB  {rows[-1]['ms']:6.2f} ms  "
+              f"{rows[-1]['passes_per_s']:6.1f}/s  {rows[-1]['gb_s']:5.1f} GB/s")  # fmt: skip
+    stream = stream_gb_s(args.threads)
+    print(f"plain read of 512 MiB: {stream:.1f} GB/s")
+    rss = []
+    for path in args.files:
+        for quantized in (True, False):
+            mib = idle_rss(path, quantized)
+            rss.append({"file": Path(path).name, "in_blocks": quantized, "rss_mib": mib})
+            print(
+                f"RSS {Path(path).name:40s} {'blocks' if quantized else 'dense':7s} {mib:.0f} MiB"
+            )
+    result = {"passes": rows, "stream_read_gb_s": stream, "idle_rss": rss,
+              "load_average": load, "note": "2 shared cores, other jobs running; cases "
+              "interleaved per round, medians"}  # fmt: skip
+    print(f"wrote {common.write_result('kquant-pass', result, settings=vars(args))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Whole models whose matrices are K-quants and Q5_x (a Q4_K_M file's mix), loaded in their
+blocks: the loader keeps them (an unsupported type loads dense, named in one warning), the
+fused q|k|v of mixed formats stays quantized, the fused decoder call gives the per-op path's
+bits, and the result is the dense model's; int8 mode converts them to its formats.
+
+The files are tiny llamas written here with random blocks (gguf-py cannot quantize to
+K-quants); transformers loads the same files for the greedy parity checks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from compute.core.config import ModelConfig
+from compute.loaders import load_model
+from compute.model import LlamaModel
+from kernels.cpu import launch as cpu
+from kernels.quant import QuantizedWeight
+from tests.engine import test_loaders
+from tests.kernels.test_cpu_decoder import _caches, _step
+from tests.kernels.test_cpu_kquants import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
+
+Q = gguf.GGMLQuantizationType
+CONFIG = ModelConfig(
+    name="kquant", architecture="llama", vocab_size=260, hidden_size=256, intermediate_size=512,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=1e4, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, qkv_bias=False, eos_token_ids=(2,),
+)  # fmt: skip
+# Matrix shape -> type: q and o Q4_K, k and v Q6_K (q|k|v mixes formats, as attn_v does in
+# a Q4_K_M file), gate and up Q5_K, down Q5_0 (or Q2_K: a type without a CPU kernel).
+SUPPORTED = {(256, 256): Q.Q4_K, (128, 256): Q.Q6_K, (512, 256): Q.Q5_K, (256, 512): Q.Q5_0}
+WITH_Q2_K = {**SUPPORTED, (256, 512): Q.Q2_K}
+
+
+def _blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    if qtype == Q.Q2_K:  # 84 bytes: 16 scales, 64 code bytes, d, dmin
+        g = np.random.default_rng(seed)
+        raw = g.integers(0, 256, (rows, cols // 256, 84), dtype=np.uint8)
+        halves = (g.random((rows, cols // 256, 2)) * 0.002 - 0.001).astype(np.float16)
+        raw[:, :, 80:84] = halves.view(np.uint8).reshape(rows, -1, 4)
+        return raw.reshape(rows, -1)
+    return random_blocks(qtype.name.lower(), rows, cols, seed=seed).numpy()
+
+
+def _write(path: Path, types: dict, monkeypatch) -> Path:
+    """test_loaders' tiny-llama writer, with the matrices of `types`' shapes in random blocks."""
+    seeds = iter(range(1000))
+    plain = test_loaders._quantized
+
+    def quantized(array: np.ndarray):
+        qtype = types.get(array.shape)
+        if array.ndim == 1 or qtype is None:
+            return plain(array)
+        return _blocks(qtype, array.shape[0], array.shape[1], next(seeds)), qtype
+
+    with monkeypatch.context() as m:
+        m.setattr(test_loaders, "_quantized", quantized)
+        test_loaders._write_gguf(path, CONFIG, _dummy(), "llama")
+    return path
+
+
+def _dummy() -> dict[str, torch.Tensor]:
+    from compute.loaders.dummy import dummy_weights
+
+    return dummy_weights(CONFIG, torch.float32, "cpu", seed=0)
+
+
+@pytest.fixture(scope="module")
+def kquant_file(tmp_path_factory) -> Path:
+    mp = pytest.MonkeyPatch()
+    try:
+        return _write(tmp_path_factory.mktemp("kq") / "kquant.gguf", SUPPORTED, mp)
+    finally:
+        mp.undo()
+
+
+def _warnings(monkeypatch) -> list:
+    from compute.loaders import gguf as gguf_loader
+
+    records: list = []
+    monkeypatch.setattr(gguf_loader.log, "warning", lambda *a, **kw: records.append((a, kw)))
+    return records
+
+
+def test_the_loader_keeps_every_supported_type_in_blocks(kquant_file, monkeypatch):
+    warnings = _warnings(monkeypatch)
+    kept = load_model(str(kquant_file), progress=False, quantized=True)
+    assert warnings == []
+    dense = load_model(str(kquant_file), progress=False)
+    formats = {}
+    for name, weight in kept.weights.items():
+        if len(weight.shape) == 2 and name != "model.embed_tokens.weight":
+            assert isinstance(weight, QuantizedWeight), name
+            formats[name.split(".")[-2]] = weight.format.name
+            # Blocks, un-permuted like the dense rows: the same weights, bit for bit.
+            assert torch.equal(weight.dequantize(), dense.weights[name]), name
+    assert formats == {
+        "q_proj": "q4_k", "k_proj": "q6_k", "v_proj": "q6_k", "o_proj": "q4_k",
+        "gate_proj": "q5_k", "up_proj": "q5_k", "down_proj": "q5_0",
+    }  # fmt: skip
+
+
+def test_an_unsupported_type_loads_dense_named_in_one_warning(tmp_path, monkeypatch):
+    path = _write(tmp_path / "q2k.gguf", WITH_Q2_K, monkeypatch)
+    records = _warnings(monkeypatch)
+    loaded = load_model(str(path), progress=False, quantized=True)
+    assert len(records) == 1
+    (message,), fields = records[0]
+    assert "no CPU kernel" in message
+    assert fields["tensors"] == {"Q2_K": "blk.0.ffn_down.weight, blk.1.ffn_down.weight"}
+    down = loaded.weights["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, torch.Tensor) and down.dtype == torch.float32
+    assert isinstance(loaded.weights["model.layers.0.mlp.up_proj.weight"], QuantizedWeight)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"), [([1], [1]), ([1, 1], [40, 7]), ([23, 1, 40], [23, 60, 40])]
+)
+def test_the_fused_decoder_call_runs_the_mixed_formats(kquant_file, query_lens, context_lens):
+    loaded = load_model(str(kquant_file), progress=False, quantized=True)
+    model = LlamaModel(loaded.config, loaded.weights, native=True)
+    assert model.fused_layers and model.layers[0].qkv.quantized.format.name == "stacked"
+    dense = load_model(str(kquant_file), progress=False)
+    reference = LlamaModel(dense.config, dense.weights, native=True)
+    meta, positions, blocks = _step(query_lens, context_lens)
+    tokens = int(sum(query_lens))
+    token_ids = torch.randint(0, CONFIG.vocab_size, (tokens,), generator=torch.Generator())
+    results = []
+    for m, fused in ((model, False), (model, True), (reference, False)):
+        m.fused_layers = fused
+        caches = _caches(m, blocks, seed=3)
+        results.append((m.forward(token_ids, positions, caches, meta), caches))
+    (per_op, per_op_caches), (fused_out, fused_caches), (ref, _) = results
+    assert torch.equal(fused_out, per_op)
+    for (k0, v0), (k1, v1) in zip(per_op_caches, fused_caches, strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    torch.testing.assert_close(fused_out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_mode_converts_them_to_its_formats(kquant_file):
+    """kernels/quant.py for_int8: the int8 kernel's formats, every projection quantized, so
+    the fused decoder call runs; its bits are the per-op path's."""
+    loaded = load_model(str(kquant_file), progress=False, quantized=True)
+    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+    assert model.fused_layers
+    layer = model.layers[0]
+    formats = [p.quantized.format.name for p in (layer.qkv, layer.o_proj, layer.gate_up)]
+    # q|k|v: Q4_K beside Q6_K, all Q8_0; o Q4_K -> Q4_1; gate|up Q5_K and down Q5_0 -> Q8_0
+    assert formats == ["q8_0", "q4_1", "q8_0"] and layer.down.quantized.format.name == "q8_0"
+    meta, positions, blocks = _step([5, 1], [5, 30])
+    token_ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    outs = []
+    for fused in (False, True):
+        model.fused_layers = fused
+        outs.append(model.forward(token_ids, positions, _caches(model, blocks, seed=1), meta))
+    assert torch.equal(outs[0], outs[1])
+
+
+# Tiny files of each K-quant mix, against transformers loading the same file (it
+# dequantizes with gguf-py, the kernels' oracle): greedy tokens must be identical.
+MIXES = {
+    "q4_k_m": SUPPORTED,
+    "q5_k_m": {(256, 256): Q.Q5_K, (128, 256): Q.Q6_K, (512, 256): Q.Q5_K, (256, 512): Q.Q6_K},
+    "q6_k": {(256, 256): Q.Q6_K, (128, 256): Q.Q6_K, (512, 256): Q.Q6_K, (256, 512): Q.Q6_K},
+    "q5_x": {(256, 256): Q.Q5_1, (128, 256): Q.Q5_0, (512, 256): Q.Q5_1, (256, 512): Q.Q5_0},
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_greedy_parity_with_transformers_on_the_same_file(mix, tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
+    from compute.core.sampling_params import SamplingParams
+    from compute.engine import Engine
+
+    path = _write(tmp_path / f"{mix}.gguf", MIXES[mix], monkeypatch)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            cache=CacheConfig(num_blocks=64),
+            device=DeviceConfig(device="cpu", cpu_kernels="native", weights="quantized"),
+        )
+    )
+    assert engine.weights == "quantized" and engine.runner.model.fused_layers
+    prompts = [[5, 77, 140, 9], [200, 3, 3, 18, 250, 61, 7], [42]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for ids in prompts:
+        ours = engine.generate([ids], params)[0].token_ids
+        ref = _hf_greedy(hf, ids, 12)
+        assert ours == ref, (mix, ids)
+
+
+def _hf_greedy(model, ids: list[int], steps: int) -> list[int]:
+    """A bare argmax loop over HF's KV cache (generate()'s min_new_tokens would mask EOS,
+    which ignore_eos does not): the reference tests/engine/test_parity.py uses too."""
+    tokens: list[int] = []
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(steps):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(
+                torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True
+            )
+    return tokens

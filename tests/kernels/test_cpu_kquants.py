@@ -1,0 +1,200 @@
+"""The exact kernels over the formats kept in the file's own blocks (Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K: kernels/quant.py ``file_order``) against gguf's numpy dequantization.
+
+Random blocks (finite fp16 d / dmin, random codes and packed scales) of every type:
+the kernels' expansion is bit-identical to gguf.quants.dequantize; the products match the
+dense product of those weights for one row (decode) and many (prefill), odd row counts,
+and give the same bits on every ISA this CPU runs and for any batch around a row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kernels.cpu import build as cpu_build
+from kernels.cpu import launch as cpu
+from kernels.quant import FORMATS, QuantizedWeight
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels cannot be built here")
+
+GGUF_TYPES = {
+    "q5_0": gguf.GGMLQuantizationType.Q5_0,
+    "q5_1": gguf.GGMLQuantizationType.Q5_1,
+    "q4_k": gguf.GGMLQuantizationType.Q4_K,
+    "q5_k": gguf.GGMLQuantizationType.Q5_K,
+    "q6_k": gguf.GGMLQuantizationType.Q6_K,
+}
+# Byte offsets of each block's fp16 fields (d, and m or dmin).
+HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Valid GGUF blocks of `fmt`: finite fp16 fields, every other byte random."""
+    g = torch.Generator().manual_seed(seed)
+    f = FORMATS[fmt]
+    nb = cols // f.block_values
+    raw = torch.randint(0, 256, (rows, nb, f.block_bytes), dtype=torch.uint8, generator=g)
+    # K-quant d and dmin multiply 6-bit (Q6_K: 8-bit) scales: smaller, so the weights are
+    # of the size of the other formats' (and some fp16 subnormals are among them).
+    span = 0.001 if f.block_values == 256 else 0.02
+    for offset in HALVES[fmt]:
+        half = ((torch.rand(rows, nb, generator=g) - 0.5) * span).half()
+        raw[:, :, offset : offset + 2] = half.view(torch.uint8).reshape(rows, nb, 2)
+    return raw.reshape(rows, -1)
+
+
+def gguf_weights(fmt: str, blocks: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = gguf.quants.dequantize(blocks.numpy(), GGUF_TYPES[fmt]).reshape(rows, cols)
+    return torch.from_numpy(np.ascontiguousarray(out))
+
+
+def widths(fmt: str) -> list[int]:
+    return [256, 768] if FORMATS[fmt].block_values == 256 else [96, 576]
+
+
+@pytest.mark.parametrize("fmt", sorted(GGUF_TYPES))
+def test_weights_dequantize_bit_exact_to_gguf(fmt):
+    for cols in widths(fmt):
+        rows = 7
+        blocks = random_blocks(fmt, rows, cols, seed=cols)
+        expected = gguf_weights(fmt, blocks, rows, cols)
+        weight = QuantizedWeight.from_gguf(fmt, blocks, cols)
+        assert weight.nbytes == blocks.numel(), "kept as the file's bytes"
+        assert torch.equal(weight.dequantize(), expected)
+        assert torch.equal(cpu.dequantize_rows(weight), expected)
+        picked = torch.tensor([5, 0, 5, 6], dtype=torch.int64)
+        assert torch.equal(cpu.dequantize_rows(weight, picked), expected[picked])
+
+
+@pytest.mark.parametrize("fmt", sorted(GGUF_TYPES))
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, 13, 100])
+def test_linear_matches_the_dense_product(fmt, n):
+    cols = widths(fmt)[1]
+    rows = 4 * 9 + 3  # a tail of rows that is not a multiple of 4
+    blocks = random_blocks(fmt, rows, cols, seed=n)
+    weight = QuantizedWeight.from_gguf(fmt, blocks, cols)
+    dense = gguf_weights(fmt, blocks, rows, cols)
+    x = torch.randn(n, cols)
+    bias = torch.randn(rows)
+    expected = x.double() @ dense.double().T + bias.double()
+    got = cpu.quant_linear(x, weight, bias)
+    assert got.shape == (n, rows)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    # Bit-identical to the gguf weights' dense product summed in the kernels' order: the
+    # kernel adds nothing to the exact expansion.
+    assert torch.equal(got, _kernel_order_product(dense, x, bias))
+
+
+def _kernel_order_product(dense: torch.Tensor, x: torch.Tensor, bias: torch.Tensor):
+    """x @ dense.T + bias in fp32, summed as every exact kernel sums (quant_linear.cpp):
+    lane i of 16 accumulates k = i, i + 16, ... by fused multiply-adds (the compiler
+    contracts them: emulated in float64, where the product is exact, then rounded once
+    more), the 16 lanes by pairwise halving, then the bias."""
+    w = dense.reshape(dense.shape[0], -1, 16).double()
+    xs = x.reshape(x.shape[0], -1, 16).double()
+    acc = torch.zeros(x.shape[0], dense.shape[0], 16)
+    for c in range(w.shape[1]):
+        acc = (xs[:, None, c] * w[None, :, c] + acc.double()).float()
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc[..., 0] + bias
+
+
+@pytest.mark.parametrize("fmt", sorted(GGUF_TYPES))
+def test_rows_do_not_depend_on_the_batch(fmt):
+    cols = widths(fmt)[1]
+    weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 21, cols), cols)
+    x = torch.randn(40, cols)
+    whole = cpu.quant_linear(x, weight)
+    for n in (1, 2, 5, 6, 11):
+        assert torch.equal(cpu.quant_linear(x[:n].contiguous(), weight), whole[:n])
+
+
+def test_the_same_bits_on_every_isa():
+    flags = cpu_build.cpu_flags()
+    runnable = [isa for isa, (_, need) in cpu_build.ISA_LEVELS.items() if set(need) <= flags]
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs only {runnable}")
+    for fmt in sorted(GGUF_TYPES):
+        cols = widths(fmt)[1]
+        weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, cols, seed=3), cols)
+        bias = torch.randn(37)
+        for n in (1, 11):
+            x = torch.randn(n, cols)
+            outs = []
+            for isa in runnable:
+                lib = ctypes.CDLL(str(cpu_build.build(isa)))
+                fn = lib.hr_quant_linear
+                fn.argtypes, fn.restype = cpu._SIGNATURES["hr_quant_linear"], None
+                out = torch.empty(n, 37)
+                fn(
+                    weight.format.code, x.data_ptr(), n, cols, weight.data.data_ptr(), 37,
+                    out.data_ptr(), bias.data_ptr(),
+                )  # fmt: skip
+                outs.append(out)
+            for isa, out in zip(runnable[1:], outs[1:], strict=True):
+                assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"
+
+
+def test_k_quants_need_whole_super_blocks_and_have_no_int8_layout():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantizedWeight.from_gguf("q4_k", random_blocks("q4_k", 2, 256)[:, :72], 128)
+    weight = QuantizedWeight.from_gguf("q6_k", random_blocks("q6_k", 2, 256), 256)
+    with pytest.raises(ValueError, match="q6_k: no int8 kernel for this format yet"):
+        weight.tiled()
+
+
+def test_stacked_weights_of_different_formats():
+    """q|k|v of a Q4_K_M layer: Q4_K rows over Q6_K rows, each part in its own format."""
+    parts = [
+        QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, 512, seed=rows), 512)
+        for fmt, rows in (("q4_k", 13), ("q4_k", 6), ("q6_k", 6))
+    ]
+    parts.append(QuantizedWeight.from_gguf("q8_0", _q8_0_blocks(3, 512), 512))
+    stacked = QuantizedWeight.stack(parts)
+    assert stacked.shape == (28, 512) and stacked.nbytes == sum(p.nbytes for p in parts)
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    bias = torch.randn(28)
+    for n in (1, 3, 9):
+        x = torch.randn(n, 512)
+        alone = torch.cat([cpu.quant_linear(x, p) for p in parts], dim=1) + bias
+        assert torch.equal(cpu.quant_linear(x, stacked, bias), alone)
+    with pytest.raises(ValueError, match="q4_k\\+q6_k\\+q8_0: no int8 kernel"):
+        stacked.tiled()
+
+
+def _q8_0_blocks(rows: int, cols: int) -> torch.Tensor:
+    array = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+    return torch.from_numpy(gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0))
+
+
+@pytest.mark.parametrize("fmt", sorted(GGUF_TYPES))
+@pytest.mark.parametrize("n", [1, 9])
+def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
+    """for_int8: Q5_0 -> Q8_0 exactly, Q4_K -> Q4_1 (scales rounded to fp16), the rest
+    requantized to Q8_0; the int8 product stays within 2% (norm) of the exact kernel's on
+    the file's weights, the bound the int8 tests of the other formats state."""
+    cols = widths(fmt)[1]
+    plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, cols, seed=n), cols)
+    converted = plain.for_int8()
+    expected_format = {"q5_0": "q8_0", "q4_k": "q4_1"}.get(fmt, "q8_0")
+    assert converted.format.name == expected_format and not converted.format.file_order
+    w, w8 = plain.dequantize(), converted.dequantize()
+    if fmt == "q5_0":
+        assert torch.equal(w8, w)
+    else:  # a weight moves by at most half a Q8_0 step (its fp16 d: 2^-11 more at most),
+        # or (Q4_K) by the fp16 rounding of its block's scale and min
+        step = w.reshape(37, -1, 32).abs().amax(-1, keepdim=True) / 127
+        bound = step / 2 * (1 + 2**-10) + 1e-7
+        assert ((w8 - w).reshape(37, -1, 32).abs() <= bound).all()
+    x = torch.randn(n, cols)
+    x[0, :32] = 0.0
+    got = cpu.quant_linear(x, converted.tiled(), int8=True)
+    exact = cpu.quant_linear(x, plain)
+    assert ((got - exact).norm() / exact.norm()).item() < 0.02
