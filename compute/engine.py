@@ -24,7 +24,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from compute.core.checks import RequestLimits
-from compute.core.config import EngineConfig
+from compute.core.config import EngineConfig, ModelConfig
 from compute.core.messages import (
     EngineStats,
     FinishReason,
@@ -84,10 +84,7 @@ class Engine:
         self.device, self.dtype = device, dtype
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(
-            config.scheduler.max_model_len or loaded.config.max_position_embeddings,
-            loaded.config.max_position_embeddings,
-        )
+        self.max_model_len = _max_model_len(config.scheduler.max_model_len, loaded.config)
         cfg = loaded.config  # fail now, not at the first step, if the kernels cannot serve it
         ops.check_backend(
             device,
@@ -364,3 +361,20 @@ def _reads_history(sched: SchedulerOutput) -> bool:
     """Does a sequence this step samples for also sample from its history (penalties)?
     Its next step cannot sample until this step's token is known on the host."""
     return any(item.samples and item.seq.sampling_params.penalized for item in sched.scheduled)
+
+
+def _max_model_len(asked: int | None, model: ModelConfig) -> int:
+    """--max-model-len, or the model's context; within a sliding window, which the kernels do
+    not mask: a sequence no longer than the window sees exactly what the model would."""
+    limit = model.max_position_embeddings
+    window = model.sliding_window
+    if window is not None and window < limit:
+        if asked is not None and asked > window:
+            raise ValueError(
+                f"max_model_len: {asked} is longer than the model's sliding_window ({window}), "
+                f"which headrace does not apply yet; use --max-model-len {window} or less"
+            )
+        if asked is None:
+            log.info("max_model_len capped at the sliding window", sliding_window=window)
+        limit = window
+    return min(asked or limit, limit)
