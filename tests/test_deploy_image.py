@@ -99,7 +99,11 @@ def test_cpu_target_commands_run_in_a_fresh_venv(tmp_path: Path, serve) -> None:
     _sh(build_kernels.replace("/kernels", str(kernel_dir)), env, cwd=ROOT)
     assert sorted(p.name.split("-")[1] for p in kernel_dir.glob("*.so")) == sorted(ISA_LEVELS)
     runtime = {**env, "HEADRACE_KERNEL_DIR": str(kernel_dir), "CXX": "/bin/false"}
-    _sh("python -c 'from kernels.cpu import launch; assert launch.available()'", runtime, cwd=tmp_path)
+    _sh(
+        "python -c 'from kernels.cpu import launch; assert launch.available()'",
+        runtime,
+        cwd=tmp_path,
+    )
     # ENTRYPOINT + a flag: the console script starts and parses its flags.
     _sh("headrace serve --help", env, cwd=tmp_path)
     # The tracing extra came along, so HEADRACE_OTLP_ENDPOINT works in the image.
