@@ -69,6 +69,8 @@ FAMILIES = {
     "llama-linear": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "attention_bias": False}),
     "phi3": ("Phi3Config", {"pad_token_id": 0, "sliding_window": None}),
+    # transformers applies the window; headrace serves within it (max_model_len capped).
+    "mistral-window": ("MistralConfig", {"sliding_window": 96}),
 }
 
 
@@ -190,6 +192,9 @@ def test_loaded_config_carries_the_family_settings(family) -> None:
         assert cfg.qk_norm and cfg.head_dim == 32 and not cfg.qkv_bias
     if name == "phi3":
         assert cfg.architecture == "phi3" and cfg.sliding_window is None
+    if name == "mistral-window":
+        assert cfg.sliding_window == 96
+        assert engine_for(path, "torch").max_model_len == 96
 
 
 # --- what headrace does not honour is refused, never served wrong ------------------------
