@@ -23,7 +23,7 @@ def inv_freq(config: ModelConfig) -> torch.Tensor:
     """[head_dim / 2] fp32 inverse frequencies of `config`'s RoPE."""
     freq = default_inv_freq(config.head_dim, config.rope_theta)
     if config.rope_freq_factors is not None:  # a GGUF file's rope_freqs: llama.cpp divides
-        return freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+        freq = freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     if config.rope_type == "linear":
         return freq / config.rope_factor
     if config.rope_type == "llama3":
