@@ -26,7 +26,7 @@ GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 .PHONY: help setup setup-gpu gpu-wheels gpu-check system-tools test test-gateway lint format \
-	serve generate bench bench-decode bench-speculative bench-serve bench-cpu-kernels soak proto docs nvcc-check \
+	serve generate bench bench-decode bench-speculative llama-cpp-convert bench-serve bench-cpu-kernels soak proto docs nvcc-check \
 	clean
 
 help: ## list the targets
@@ -145,6 +145,25 @@ bench-cpu-kernels: setup ## the CPU kernels vs the torch path: linears, attentio
 
 soak: setup ## soak: 20 min of mixed load at ~half capacity; RSS, KV leaks, errors (ARGS="--duration 90 -- --model dummy:tiny")
 	$(PY) -m bench.soak $(ARGS)
+
+# llama.cpp's HF -> GGUF converter (with its own gguf-py), from the llama-cpp-python sdist on
+# PyPI, for the GGUF variants of tests/test_model_families*.py (skipped without it). pip
+# unpacks the sdist to read its metadata (a few minutes: it sets up the build backend); the
+# tarball it leaves behind is all we keep. Nothing is compiled.
+LLAMA_CPP_PY ?= 0.3.36
+LLAMA_CPP_DIR ?= $(HOME)/.cache/headrace/llama-cpp
+LLAMA_CPP_SRC := $(LLAMA_CPP_DIR)/llama_cpp_python-$(LLAMA_CPP_PY)
+.PHONY: llama-cpp-convert
+llama-cpp-convert: setup ## download llama.cpp's convert_hf_to_gguf.py (+ gguf-py) into ~/.cache/headrace
+	@if [ -f $(LLAMA_CPP_SRC)/vendor/llama.cpp/convert_hf_to_gguf.py ]; then \
+	  echo "already there: $(LLAMA_CPP_SRC)"; exit 0; fi; \
+	mkdir -p $(LLAMA_CPP_DIR) && cd $(LLAMA_CPP_DIR) && \
+	tarball=llama_cpp_python-$(LLAMA_CPP_PY).tar.gz; \
+	[ -f $$tarball ] || $(abspath $(PY)) -m pip download -q --no-deps --no-binary :all: \
+	  -d . "llama-cpp-python==$(LLAMA_CPP_PY)"; \
+	tar xzf $$tarball --wildcards "*/vendor/llama.cpp/convert_hf_to_gguf.py" \
+	  "*/vendor/llama.cpp/conversion/*" "*/vendor/llama.cpp/gguf-py/*" && \
+	echo "llama.cpp converter in $(LLAMA_CPP_SRC)/vendor/llama.cpp"
 
 nvcc-check: ## compile every kernels/csrc/*.cu with nvcc -cubin for sm_80 and sm_90
 	$(PY) -m pytest -q tests/kernels/test_cuda_compile.py

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from compute.core.checks import RequestLimits
-from compute.core.config import EngineConfig
+from compute.core.config import EngineConfig, ModelConfig
 from compute.core.messages import (
     EngineStats,
     FinishReason,
@@ -98,10 +98,7 @@ class Engine:
         self.device, self.dtype = device, dtype
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(
-            config.scheduler.max_model_len or loaded.config.max_position_embeddings,
-            loaded.config.max_position_embeddings,
-        )
+        self.max_model_len = _max_model_len(config.scheduler.max_model_len, loaded.config)
         cfg = loaded.config  # fail now, not at the first step, if the kernels cannot serve it
         ops.check_backend(
             device,
@@ -408,3 +405,20 @@ def _async_output(config: EngineConfig, device: torch.device) -> bool:
             )
         return False
     return device.type == "cuda" if wanted is None else wanted
+
+
+def _max_model_len(asked: int | None, model: ModelConfig) -> int:
+    """--max-model-len, or the model's context; within a sliding window, which the kernels do
+    not mask: a sequence no longer than the window sees exactly what the model would."""
+    limit = model.max_position_embeddings
+    window = model.sliding_window
+    if window is not None and window < limit:
+        if asked is not None and asked > window:
+            raise ValueError(
+                f"max_model_len: {asked} is longer than the model's sliding_window ({window}), "
+                f"which headrace does not apply yet; use --max-model-len {window} or less"
+            )
+        if asked is None:
+            log.info("max_model_len capped at the sliding window", sliding_window=window)
+        limit = window
+    return min(asked or limit, limit)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from compute import rope
 from compute.core.config import ModelConfig
 from kernels import ops
 from kernels.cpu import launch as cpu
@@ -87,13 +88,16 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H]
     gate_up: Projection  # [2 * I, H]
     down: Projection  # [H, I]
+    q_norm: torch.Tensor | None = None  # [D], Qwen3's RMSNorm of each q head before RoPE
+    k_norm: torch.Tensor | None = None  # [D], the same for each k head
 
 
 class RotaryEmbedding:
     """HF-layout RoPE (rotate_half) with a cos/sin table indexed by absolute position."""
 
-    def __init__(self, head_dim: int, base: float, max_positions: int, device, dtype) -> None:
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, device, dtype) -> None:
+        """inv_freq: [head_dim / 2] fp32 (compute/rope.py, any RoPE type)."""
+        head_dim = 2 * inv_freq.shape[0]
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
@@ -134,8 +138,7 @@ class LlamaModel:
         self.embed_tokens = self.lm_head.quantized if tied else embed  # one copy when tied
         self.layers = [_fuse_layer(weights, i, config, int8) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(
-            config.head_dim,
-            config.rope_theta,
+            rope.inv_freq(config),
             config.max_position_embeddings,
             self.device,
             self.dtype,
@@ -145,10 +148,16 @@ class LlamaModel:
         # Every layer in one kernel call (kernels/cpu/launch.py decoder_layers) when every
         # projection is quantized: bit-identical to the per-op path, ~1.4 ms less Python
         # per step. Tests turn it off to compare the two.
-        self.fused_layers = native and all(
-            p.quantized is not None
-            for layer in self.layers
-            for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        # Per-head q/k norms (Qwen3) run between the qkv matmul and RoPE, which that call
+        # fuses, so such models take the per-op path.
+        self.fused_layers = (
+            native
+            and not config.qk_norm
+            and all(
+                p.quantized is not None
+                for layer in self.layers
+                for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            )
         )
         self._table: tuple[tuple[int, ...], torch.Tensor] | None = None  # (cache ptrs, table)
 
@@ -204,6 +213,8 @@ class LlamaModel:
     def _attention(self, x, positions, layer, key_cache, value_cache, meta, check=True):
         cfg = self.config
         qkv = layer.qkv(x, check)
+        if layer.q_norm is not None:
+            self._qk_norm(qkv, layer)
         if self.native:
             rope = self.rope
             q = cpu.rope_and_cache(
@@ -220,6 +231,19 @@ class LlamaModel:
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale)
         return layer.o_proj(out.reshape(-1, cfg.q_size))
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights) -> None:
+        """RMSNorm of each q and k head of the fused qkv [T, (H + 2 Hkv) D], in place: a few
+        small torch ops per layer (HF Qwen3RMSNorm's order), before RoPE on either path."""
+        cfg = self.config
+        for start, heads, weight in (
+            (0, cfg.num_heads, layer.q_norm),
+            (cfg.q_size, cfg.num_kv_heads, layer.k_norm),
+        ):
+            part = qkv[:, start : start + heads * cfg.head_dim].view(-1, heads, cfg.head_dim)
+            xf = part.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+            part.copy_(weight * xf.to(part.dtype))
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights, check: bool = True) -> torch.Tensor:
         gate_up = layer.gate_up(x, check)
@@ -255,6 +279,9 @@ def _fuse_layer(weights: dict, i: int, cfg: ModelConfig, int8: bool) -> LayerWei
     qkv_bias = None
     if cfg.qkv_bias:
         qkv_bias = torch.cat([w(f"self_attn.{n}_proj.bias") for n in "qkv"])
+    qk_norms = {}
+    if cfg.qk_norm:
+        qk_norms = {"q_norm": w("self_attn.q_norm.weight"), "k_norm": w("self_attn.k_norm.weight")}
     return LayerWeights(
         input_norm=w("input_layernorm.weight"),
         qkv=Projection(
@@ -266,4 +293,5 @@ def _fuse_layer(weights: dict, i: int, cfg: ModelConfig, int8: bool) -> LayerWei
             fuse([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], int8), int8=int8
         ),
         down=Projection(w("mlp.down_proj.weight"), int8=int8),
+        **qk_norms,
     )

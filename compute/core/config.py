@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ROPE_TYPES = ("default", "linear", "llama3")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -27,8 +29,23 @@ class ModelConfig:
     max_position_embeddings: int = 4096  # the model's trained context length
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2-style biases on q/k/v projections
+    qk_norm: bool = False  # Qwen3-style RMSNorm of each q and k head before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # RoPE frequencies (compute/rope.py): "default"; "linear" (every frequency / rope_factor);
+    # "llama3" (Llama 3.1's per-frequency scaling by rope_factor, rope_low_freq_factor,
+    # rope_high_freq_factor and rope_original_max_position). rope_freq_factors: the
+    # per-frequency divisors a GGUF file stores instead (its rope_freqs tensor), any type.
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    rope_freq_factors: tuple[float, ...] | None = None
+    # Tokens a query attends to (itself included), on every layer; None = all. The kernels do
+    # not mask by window, so the engine serves such a model only within max_model_len <=
+    # sliding_window, where the window changes nothing (compute/engine.py).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -43,6 +60,19 @@ class ModelConfig:
         ):
             if getattr(self, field_name) <= 0:
                 raise ValueError(f"{field_name} must be positive, got {getattr(self, field_name)}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_type must be one of {', '.join(ROPE_TYPES)}, got {self.rope_type!r}"
+            )
+        if self.rope_factor <= 0:
+            raise ValueError(f"rope_factor must be positive, got {self.rope_factor}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors must hold head_dim / 2 = {self.head_dim // 2} values, "
+                f"got {len(self.rope_freq_factors)}"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "

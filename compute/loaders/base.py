@@ -59,6 +59,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
         for name, shape in projections.items():
             shapes[f"{prefix}{name}.weight"] = shape
+        if config.qk_norm:
+            shapes[prefix + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[prefix + "self_attn.k_norm.weight"] = (config.head_dim,)
         if config.qkv_bias:
             shapes[prefix + "self_attn.q_proj.bias"] = (config.q_size,)
             shapes[prefix + "self_attn.k_proj.bias"] = (config.kv_size,)

@@ -31,7 +31,9 @@ SHAPES: dict[str, ModelConfig] = {
         name="dummy-llama-3.2-1b", architecture="llama", vocab_size=128256, hidden_size=2048,
         intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
         rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
-        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009), rope_type="llama3",
+        rope_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+        rope_original_max_position=8192,
     ),
     "qwen2.5-0.5b": ModelConfig(
         name="dummy-qwen2.5-0.5b", architecture="qwen2", vocab_size=151936, hidden_size=896,

@@ -27,7 +27,7 @@ from kernels.quant import QuantizedWeight
 
 log = get_logger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # llama.cpp's converter permutes Q/K rows of these for its rotary layout (see _unpermute).
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -46,10 +46,15 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: fused, split at load (_split_fused)
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Llama 3.1+ RoPE scaling factors; the model has no RoPE scaling, so they are skipped (warned).
-_IGNORED_TENSORS = ("rope_freqs.weight",)
+# Llama 3.1+ RoPE scaling: llama.cpp's per-frequency divisors, read into the config.
+_ROPE_FREQS = "rope_freqs.weight"
+# rope.scaling.type values headrace honours ("none" and linear; llama3 is rope_freqs).
+_ROPE_SCALING_TYPES = ("none", "linear")
 # GGUF block formats the CPU kernels compute with directly (kernels/quant.py).
 _KEPT_FORMATS = {
     gguf.GGMLQuantizationType.Q4_0: "q4_0",
@@ -116,8 +121,15 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
     hidden = _required(reader, path, f"{arch}.embedding_length")
     num_heads = _required(reader, path, f"{arch}.attention.head_count")
-    if gguf_field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
-        log.warning("RoPE scaling metadata is ignored", path=str(path))
+    experts = gguf_field(reader, f"{arch}.expert_count", 0)
+    if experts:
+        raise ModelLoadError(
+            f"{path}: {arch}.expert_count: {experts} experts (mixture of experts) are not "
+            "supported; headrace cannot serve it"
+        )
+    head_dim = gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads)
+    max_positions = gguf_field(reader, f"{arch}.context_length", 4096)
+    window = gguf_field(reader, f"{arch}.attention.sliding_window")
     try:
         return ModelConfig(
             name=path.name.removesuffix(".gguf"),
@@ -128,17 +140,47 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
             num_layers=_required(reader, path, f"{arch}.block_count"),
             num_heads=num_heads,
             num_kv_heads=gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads),
-            head_dim=gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads),
+            head_dim=head_dim,
             rope_theta=_f32(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
             rms_norm_eps=_f32(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=gguf_field(reader, f"{arch}.context_length", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings="output.weight" not in names,
             qkv_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            sliding_window=int(window) if window and window < max_positions else None,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tokenizer.eos_token_ids,
+            **_rope(reader, path, arch, head_dim, names),
         )
     except ValueError as err:
         raise ModelLoadError(f"{path}: inconsistent metadata: {err}") from err
+
+
+def _rope(
+    reader: gguf.GGUFReader, path: Path, arch: str, head_dim: int, names: dict[str, Any]
+) -> dict[str, Any]:
+    """ModelConfig's RoPE fields; RoPE metadata headrace does not honour is refused."""
+    scaling = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in _ROPE_SCALING_TYPES:
+        supported = ", ".join(_ROPE_SCALING_TYPES)
+        raise ModelLoadError(
+            f"{path}: {arch}.rope.scaling.type: {scaling!r} is not supported (supported: "
+            f"{supported}, and llama3 as a rope_freqs tensor); headrace cannot serve it"
+        )
+    dims = gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if dims != head_dim:
+        raise ModelLoadError(
+            f"{path}: {arch}.rope.dimension_count: RoPE on {dims} of {head_dim} dims (partial "
+            "rotary) is not supported; headrace cannot serve it"
+        )
+    fields: dict[str, Any] = {}
+    if scaling == "linear":
+        factor = _f32(gguf_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+        fields.update(rope_type="linear", rope_factor=factor)
+    if _ROPE_FREQS in names:
+        factors = _dequantize(names[_ROPE_FREQS], path).reshape(-1)
+        fields["rope_freq_factors"] = tuple(float(f) for f in factors)
+    return fields
 
 
 def _required(reader: gguf.GGUFReader, path: Path, key: str) -> int:
@@ -210,14 +252,12 @@ def _read_weights(
     for tensor in bar:
         name = _hf_name(tensor.name)
         if name is None:
-            if tensor.name in _IGNORED_TENSORS:
-                log.warning(
-                    "ignoring tensor: RoPE scaling is not supported",
-                    path=str(path),
-                    tensor=tensor.name,
-                )
-                continue
-            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name}")
+            if tensor.name == _ROPE_FREQS:
+                continue  # in the config (_rope)
+            raise ModelLoadError(
+                f"{path}: unexpected tensor {tensor.name} (a {config.architecture} feature "
+                "headrace does not support?)"
+            )
         keep = quantized and tensor.tensor_type in _KEPT_FORMATS and len(tensor.shape) == 2
         if quantized and not keep and tensor.tensor_type not in _DENSE_TYPES:
             unsupported.setdefault(tensor.tensor_type.name, []).append(tensor.name)
@@ -226,7 +266,8 @@ def _read_weights(
             weight = _unpermute(weight, config.num_heads)
         elif permuted and ".k_proj." in name:
             weight = _unpermute(weight, config.num_kv_heads)
-        weights[name] = weight if keep else weight.to(device=device, dtype=dtype)
+        for part, piece in _split_fused(name, weight, config).items():
+            weights[part] = piece if keep else piece.to(device=device, dtype=dtype)
     if unsupported:
         log.warning(
             "no CPU kernel for these quantized types: tensors dequantized to dense",
@@ -234,3 +275,27 @@ def _read_weights(
             tensors={kind: ", ".join(names) for kind, names in unsupported.items()},
         )
     return weights
+
+
+def _split_fused(name: str, weight: Any, config: ModelConfig) -> dict[str, Any]:
+    """{name: weight}, or Phi-3's fused q|k|v (attn_qkv) or gate|up (its ffn_up, twice the
+    usual rows) as the separate projections every loader gives."""
+    attn = name.endswith(".self_attn.qkv_proj.weight")
+    mlp = config.architecture == "phi3" and name.endswith(".mlp.up_proj.weight")
+    if attn:
+        parts = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size}
+        prefix = name.removesuffix("qkv_proj.weight")
+    elif mlp:
+        parts = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+        prefix = name.removesuffix("up_proj.weight")
+    else:
+        return {name: weight}
+    if weight.shape[0] != sum(parts.values()):
+        return {name: weight}  # check_weights names the misshapen tensor
+    out, start = {}, 0
+    for part, rows in parts.items():
+        index = torch.arange(start, start + rows)
+        piece = weight.take_rows(index) if isinstance(weight, QuantizedWeight) else weight[index]
+        out[f"{prefix}{part}.weight"] = piece
+        start += rows
+    return out

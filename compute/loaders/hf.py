@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from compute.core.config import ModelConfig
+from compute.core.config import ROPE_TYPES, ModelConfig
 from compute.loaders.base import PICKLE_SUFFIXES, LoadedModel, ModelLoadError, check_weights
 from compute.tokenizer import Tokenizer
 from kernels.log import get_logger
@@ -26,7 +26,18 @@ SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# Model types whose `sliding_window` applies to every layer whenever it is set; Qwen2/3 apply
+# it only with use_sliding_window, from layer max_window_layers on.
+_WINDOW_EVERYWHERE = ("mistral", "phi3")
+# Phi-3 stores q|k|v and gate|up fused; split at load into the names every loader gives.
+_FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                  "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}  # fmt: skip
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_GLOBS = tuple(f"*{suffix}" for suffix in PICKLE_SUFFIXES)
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed buffers some old exports saved
@@ -83,13 +94,56 @@ def _model_type(raw: dict[str, Any], path: Path) -> str:
     return model_type
 
 
-def _rope_theta(raw: dict[str, Any], path: Path) -> float:
+def _refuse(path: Path, setting: str, why: str) -> ModelLoadError:
+    return ModelLoadError(f"{path / 'config.json'}: {setting}: {why}; headrace cannot serve it")
+
+
+def _rope(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """ModelConfig's RoPE fields; a RoPE setting headrace does not honour is refused."""
     # transformers 5 nests RoPE settings under rope_parameters; 4.x kept them at the top level.
     params = raw.get("rope_parameters") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise _refuse(path, "rope_parameters", f"per-layer-type RoPE ({', '.join(params)})")
     scaling = raw.get("rope_scaling") or params
-    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-        log.warning("RoPE scaling is ignored", path=str(path), rope_type=scaling.get("rope_type"))
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = scaling.get("rope_type", scaling.get("type")) or "default"
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise _refuse(path, "partial_rotary_factor", f"{partial} (only 1.0, RoPE on every dim)")
+    if rope_type not in ROPE_TYPES:
+        raise _refuse(
+            path, "rope_scaling", f"RoPE type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
+        )
+    fields: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
+    keys = {
+        "default": {},
+        "linear": {"factor": "rope_factor"},
+        "llama3": {
+            "factor": "rope_factor",
+            "low_freq_factor": "rope_low_freq_factor",
+            "high_freq_factor": "rope_high_freq_factor",
+            "original_max_position_embeddings": "rope_original_max_position",
+        },
+    }[rope_type]
+    for key, field in keys.items():
+        if scaling.get(key) is None:
+            raise _refuse(path, "rope_scaling", f"RoPE type {rope_type!r} without {key}")
+        fields[field] = type(getattr(ModelConfig, field))(scaling[key])
+    return fields
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str, num_layers: int) -> int | None:
+    """The attention window of the model's sliding layers, or None when no layer slides."""
+    window = raw.get("sliding_window")
+    if window is None:
+        return None
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:  # transformers 5 spells out each layer's kind
+        return int(window) if "sliding_attention" in layer_types else None
+    if model_type in _WINDOW_EVERYWHERE:
+        return int(window)
+    first = raw.get("max_window_layers", 0)
+    return int(window) if raw.get("use_sliding_window") and first < num_layers else None
 
 
 def _ids(value: Any) -> list[int]:
@@ -109,27 +163,37 @@ def _eos_ids(raw: dict[str, Any], path: Path, tokenizer: Tokenizer) -> tuple[int
 
 def _config(raw: dict[str, Any], path: Path, tokenizer: Tokenizer) -> ModelConfig:
     model_type = _model_type(raw, path)
+    activation = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+    if activation != "silu":
+        raise _refuse(path, "hidden_act", f"{activation!r} (only silu, SwiGLU MLPs)")
     try:
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        layers = int(raw["num_hidden_layers"])
         bos = raw.get("bos_token_id", tokenizer.bos_token_id)
+        max_positions = int(raw.get("max_position_embeddings", 4096))
+        window = _sliding_window(raw, model_type, layers)
         return ModelConfig(
             name=path.name,
             architecture=model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
-            rope_theta=_rope_theta(raw, path),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            sliding_window=window if window is not None and window < max_positions else None,
             bos_token_id=_ids(bos)[0] if _ids(bos) else None,
             eos_token_ids=_eos_ids(raw, path, tokenizer),
+            **_rope(raw, path),
         )
+    except ModelLoadError:
+        raise
     except KeyError as err:
         raise ModelLoadError(f"{path / 'config.json'}: missing key {err}") from err
     except (TypeError, ValueError) as err:
@@ -176,9 +240,30 @@ def _read_weights(
                         continue
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue  # tied checkpoints sometimes store the copy too
-                    weights[name] = shard.get_tensor(name).to(device=device, dtype=dtype)
+                    tensor = shard.get_tensor(name).to(device=device, dtype=dtype)
+                    weights.update(_split_fused(name, tensor, config))
                     bar.update()
         except (SafetensorError, OSError) as err:
             raise ModelLoadError(f"{file}: unreadable safetensors file: {err}") from err
     bar.close()
     return weights
+
+
+def _split_fused(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """{name: tensor}, or a fused Phi-3 projection's parts under their own names."""
+    prefix, _, rest = name.rpartition("layers.")
+    layer, _, part = rest.partition(".")
+    if part not in _FUSED:
+        return {name: tensor}
+    sizes = (
+        (config.q_size, config.kv_size, config.kv_size)
+        if part.startswith("self_attn")
+        else (config.intermediate_size, config.intermediate_size)
+    )
+    if tensor.shape[0] != sum(sizes):
+        return {name: tensor}  # check_weights names the unexpected tensor
+    pieces = tensor.split(sizes)
+    return {
+        f"{prefix}layers.{layer}.{n}": p.contiguous()
+        for n, p in zip(_FUSED[part], pieces, strict=True)
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -77,10 +78,17 @@ def _quantized(array: np.ndarray) -> tuple[np.ndarray, gguf.GGMLQuantizationType
 
 
 def _write_gguf(
-    path: Path, config: ModelConfig, weights: dict[str, torch.Tensor], arch: str
+    path: Path,
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    arch: str,
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> None:
-    """A GGUF as llama.cpp's converter writes it: Q/K permuted for llama, Q8_0 matrices."""
+    """A GGUF as llama.cpp's converter writes it: Q/K permuted for llama, Q8_0 matrices.
+    ``extra`` adds metadata or tensors of its own before the file is written."""
     writer = gguf.GGUFWriter(path, arch)
+    if extra is not None:
+        extra(writer)
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

@@ -124,9 +124,10 @@ def test_rope_and_cache_matches_the_model_rotary_and_cache_write(kv_dtype):
     """A 16-bit cache holds K and V rounded once, to nearest as torch's .to() rounds: the
     kernel's write and the reference's give the same bits."""
     from compute.model import RotaryEmbedding
+    from compute.rope import default_inv_freq
 
     heads, kv_heads, dim, tokens = 6, 2, 32, 5
-    rope = RotaryEmbedding(dim, 10000.0, 64, "cpu", torch.float32)
+    rope = RotaryEmbedding(default_inv_freq(dim, 10000.0), 64, "cpu", torch.float32)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
     positions = torch.tensor([0, 7, 8, 33, 63])
     slots = torch.tensor([3, -1, 0, 17, 9])

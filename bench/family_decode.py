@@ -1,0 +1,104 @@
+"""Single-stream decode on the CPU kernels: each model family's per-family work against the
+plain Llama shape of the same size, so no family silently costs more than it should.
+
+Random weights (seeded) quantized to Q4_0 blocks in process, the shape of Qwen3-0.6B by
+default; for each family the engine decodes one sequence (64-token prompt) with
+``--weights quantized`` and the median step time is reported. Writes
+``bench/results/family-decode-<stamp>.json``. Run: ``.venv/bin/python bench/family_decode.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import gguf
+import numpy as np
+import torch
+
+from bench import common
+from compute.core.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from compute.core.sampling_params import SamplingParams
+from compute.engine import Engine
+from compute.loaders.base import LoadedModel
+from compute.loaders.dummy import dummy_weights
+from kernels.quant import QuantizedWeight
+
+LLAMA = ModelConfig(
+    name="qwen3-0.6b-shape", architecture="llama", vocab_size=151936, hidden_size=1024,
+    intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+    rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+)  # fmt: skip
+FAMILIES = {
+    "llama": LLAMA,
+    "llama3-rope": dataclasses.replace(LLAMA, rope_type="llama3", rope_factor=32.0),
+    "qwen3": dataclasses.replace(LLAMA, architecture="qwen3", qk_norm=True),
+}
+
+
+def quantized_model(config: ModelConfig, seed: int) -> LoadedModel:
+    weights: dict = dummy_weights(config, torch.float32, "cpu", seed)
+    for name, weight in weights.items():
+        if weight.dim() == 2:
+            blocks = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_0)
+            data = torch.from_numpy(np.ascontiguousarray(blocks))
+            weights[name] = QuantizedWeight.from_gguf("q4_0", data, weight.shape[1])
+    return LoadedModel(config=config, weights=weights, tokenizer=None, source=config.name)
+
+
+def decode_ms(config: ModelConfig, steps: int, seed: int) -> float:
+    engine = Engine(
+        EngineConfig(
+            cache=CacheConfig(num_blocks=64),
+            scheduler=SchedulerConfig(max_num_seqs=4),
+            device=DeviceConfig(device="cpu", cpu_kernels="native", weights="quantized"),
+        ),
+        loaded=quantized_model(config, seed),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    engine.add_request("r", list(range(100, 164)), params)
+    engine.step()  # the prefill
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=2, help="families alternate this often")
+    args = parser.parse_args()
+    results: dict[str, list[float]] = {name: [] for name in FAMILIES}
+    for _ in range(args.rounds):  # alternate, so machine noise falls on every family
+        for name, config in FAMILIES.items():
+            results[name].append(decode_ms(config, args.steps, seed=0))
+            print(f"{name:12s} {results[name][-1]:.2f} ms/step", flush=True)
+    summary = {name: min(ms) for name, ms in results.items()}
+    for name, ms in summary.items():
+        print(f"{name:12s} best {ms:.2f} ms/step, {ms / summary['llama']:.3f}x llama")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = common.RESULTS_DIR / f"family-decode-{stamp}.json"
+    record = {
+        "machine": common.machine_info(),
+        "shape": dataclasses.asdict(LLAMA),
+        "ms_per_step": results,
+        "best": summary,
+    }
+    out.write_text(json.dumps(record, indent=1))
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
