@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from services.domain import GenerateInput
 
 from compute.core.config import SpeculativeConfig
 from compute.core.sampling_params import SamplingParams
-from services.pipeline import Pipeline
+from services.pipeline.domain import GenerateInput
+from services.pipeline.pipeline import Pipeline
 from tests.engine.test_speculative_engine import PARAGRAPH, make_engine
-from tests.service.test_pipeline import collect, wait_until
+from tests.service.test_pipeline import collect
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
