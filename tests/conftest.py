@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 import structlog
+import torch
 
 from services.server.server_config import ServerConfig
 
@@ -28,6 +29,19 @@ if TYPE_CHECKING:  # imported when used, so that a broken service never breaks c
     from services.server.server import Server
     from services.telemetry.metrics import Metrics
     from tests.support.fake_engine import FakeEngine
+
+_TORCH_THREADS = torch.get_num_threads()  # torch's own default, before any test changes it
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    """An Engine built with ``num_threads`` (or a benchmark's ``--threads``) sets torch's
+    thread count for the whole process: put it back after every test, so that one test's
+    setting never slows (or changes the numerics of) every test after it."""
+    yield
+    if torch.get_num_threads() != _TORCH_THREADS:
+        torch.set_num_threads(_TORCH_THREADS)
+
 
 # What the fake engine "generates", cycled: whole words, so chunks are readable text.
 SCRIPT_TEXT = " the quick brown fox jumps over the lazy dog"
