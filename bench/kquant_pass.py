@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
+from bench import common
 from compute.loaders import load_model
 from compute.model import fuse
 from kernels.cpu import launch as cpu
@@ -79,7 +79,8 @@ def rss_child(path: str, quantized: bool) -> None:
 
 
 def idle_rss(path: str, quantized: bool) -> float:
-    cmd = [sys.executable, __file__, "--rss-child", path, "--quantized", str(int(quantized))]
+    cmd = [sys.executable, "-m", "bench.kquant_pass", "--rss-child", path,
+           "--quantized", str(int(quantized))]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["rss_mib"]
 
@@ -98,8 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.rss_child:
         return rss_child(args.rss_child, bool(args.quantized))
     if not args.files:
-        from requantize import requantized
-
+        from bench.requantize import requantized
         from compute.loaders.default_model import default_model_path
 
         args.files = [str(requantized("Q4_K_M")), str(default_model_path())]
