@@ -1,17 +1,23 @@
 """Engine throughput on a GPU: headrace continuous batching vs HF transformers static batching.
 
-Issue 17's workload: --num-requests (256) requests submitted at once, random prompts of
---prompt-len (512) tokens, exactly --output-len (128) new tokens each (EOS ignored), for
-every model shape in --shapes, on dummy weights: the same seeded tensors in both systems
-(made once on the host in fp32, cast to --dtype on the device).
+The workload: --num-requests (256) requests submitted at once, random prompts of
+--prompt-len (512) tokens, output lengths spread as real traffic is: drawn (seeded) from an
+exponential distribution of mean --output-len (128), capped at --output-cap (512), at least
+1 (EOS ignored, so each request makes exactly its length), for every model shape in
+--shapes, on dummy weights: the same seeded tensors in both systems (made once on the host
+in fp32, cast to --dtype on the device). --output-cap 0 gives every request exactly
+--output-len tokens.
 
 - headrace: an Engine stepped until every request is done (asynchronous output as its
   default on CUDA; --no-async-output for the synchronous figure);
 - hf-static: LlamaForCausalLM built from the same config and tensors, ``generate`` over
-  batches of the requests (all prompts have one length, so no padding); each batch size
-  in --hf-batch-sizes is probed on one batch, and the best runs the whole workload.
+  batches of the requests in submission order (all prompts have one length, so no
+  padding); a static batch runs until its longest request is done, so each batch makes
+  its longest length for every row and only the requested tokens count; each batch size
+  in --hf-batch-sizes is probed on the first batch of it, and the best runs the workload.
 
-Output tok/s = requests x output-len / wall time (prefill included, both systems), after
+Output tok/s = the requested tokens (sum of the lengths) / wall time (prefill included,
+both systems), after
 an untimed warm-up of each (CuPy compiles its kernels at their first launch). Writes
 ``bench/results/engine-gpu-<gpu>-<stamp>.json`` with top-level ``gpu``,
 ``headrace_tok_s``, ``hf_static_tok_s`` and ``ratio`` (the first shape), the settings and
@@ -50,7 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b", help="dummy shapes (llama)")
     p.add_argument("--num-requests", type=int, default=256, help="requests, all at once")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=128, help="new tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="mean new tokens per request")
+    p.add_argument(
+        "--output-cap", type=int, default=512,
+        help="cap of the exponential output lengths (0: every request makes --output-len)",
+    )  # fmt: skip
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--max-num-seqs", type=int, default=256, help="headrace max_num_seqs")
@@ -71,6 +81,15 @@ def prompts(args: argparse.Namespace, vocab_size: int, count: int) -> list[list[
     return [[rng.randrange(4, vocab_size) for _ in range(args.prompt_len)] for _ in range(count)]
 
 
+def output_lens(args: argparse.Namespace, count: int) -> list[int]:
+    """Seeded output lengths: capped exponential of mean --output-len, or all --output-len."""
+    if args.output_cap <= 0:
+        return [args.output_len] * count
+    rng = random.Random(args.seed + 1)
+    draw = (round(rng.expovariate(1.0 / args.output_len)) for _ in range(count))
+    return [min(args.output_cap, max(1, n)) for n in draw]
+
+
 def on_device(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, torch.Tensor]:
     dtype = getattr(torch, args.dtype)
     return {k: v.to(device=args.device, dtype=dtype) for k, v in loaded.weights.items()}
@@ -86,7 +105,8 @@ def run_headrace(args: argparse.Namespace, shape: str, loaded: LoadedModel) -> d
         device=DeviceConfig(device=args.device, dtype=args.dtype, async_output=args.async_output),
     )
     engine = Engine(config, loaded=replace(loaded, weights=on_device(loaded, args)))
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    lens = output_lens(args, args.num_requests)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine.generate(prompts(args, loaded.config.vocab_size, 2), warm)  # kernels compile here
     batch = prompts(args, loaded.config.vocab_size, args.num_requests)
@@ -96,7 +116,7 @@ def run_headrace(args: argparse.Namespace, shape: str, loaded: LoadedModel) -> d
     common.sync(args.device)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
-    if tokens != args.num_requests * args.output_len:
+    if tokens != sum(lens):
         raise RuntimeError(f"headrace produced {tokens} tokens")
     result = {
         "output_tok_s": round(tokens / elapsed, 1),
@@ -139,29 +159,33 @@ def hf_model(config: ModelConfig, loaded: LoadedModel, args: argparse.Namespace)
     return model
 
 
-def hf_batch_tok_s(model, batch: list[list[int]], args: argparse.Namespace) -> float:
+def hf_batch_tok_s(model, batch: list[list[int]], lens: list[int], args) -> float:
+    """One static batch: generates its longest length for every row; the requested tokens
+    (sum of ``lens``) per second."""
     ids = torch.tensor(batch, device=args.device)
+    longest = max(lens)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), **common.hf_generate_kwargs(args.output_len)
+            ids, attention_mask=torch.ones_like(ids), **common.hf_generate_kwargs(longest)
         )
     common.sync(args.device)
-    if out.shape[1] != ids.shape[1] + args.output_len:
+    if out.shape[1] != ids.shape[1] + longest:
         raise RuntimeError(f"HF generated {out.shape[1] - ids.shape[1]} tokens")
-    return len(batch) * args.output_len / (time.perf_counter() - start)
+    return sum(lens) / (time.perf_counter() - start)
 
 
 def run_hf_static(args: argparse.Namespace, config: ModelConfig, loaded: LoadedModel) -> dict:
     model = hf_model(config, loaded, args)
     work = prompts(args, config.vocab_size, args.num_requests)
-    hf_batch_tok_s(model, work[:2], replace_len(args, 8))  # warm-up
+    lens = output_lens(args, args.num_requests)
+    hf_batch_tok_s(model, work[:2], [8, 8], args)  # warm-up
     probes: dict[int, float | str] = {}
     for size in (int(s) for s in args.hf_batch_sizes.split(",")):
         if size > args.num_requests:
             continue
         try:
-            probes[size] = round(hf_batch_tok_s(model, work[:size], args), 1)
+            probes[size] = round(hf_batch_tok_s(model, work[:size], lens[:size], args), 1)
         except torch.cuda.OutOfMemoryError:
             probes[size] = "out of memory"
             _free(args.device)
@@ -171,21 +195,17 @@ def run_hf_static(args: argparse.Namespace, config: ModelConfig, loaded: LoadedM
     best = max(fits, key=fits.__getitem__)
     start = time.perf_counter()
     for first in range(0, len(work), best):
-        hf_batch_tok_s(model, work[first : first + best], args)
+        hf_batch_tok_s(model, work[first : first + best], lens[first : first + best], args)
     elapsed = time.perf_counter() - start
     del model
     _free(args.device)
-    tokens = len(work) * args.output_len
+    tokens = sum(lens)
     return {
         "output_tok_s": round(tokens / elapsed, 1),
         "elapsed_s": round(elapsed, 3),
         "batch_size": best,
         "probes_tok_s": probes,
     }
-
-
-def replace_len(args: argparse.Namespace, output_len: int) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "output_len": output_len})
 
 
 def _free(device: str) -> None:
@@ -225,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     stamp = common.timestamp()
     name = f"{args.name}-{gpu.replace(' ', '_')}"
-    title = f"{args.num_requests} requests, {args.prompt_len}/{args.output_len}"
+    cap = f" (exp., cap {args.output_cap})" if args.output_cap > 0 else ""
+    title = f"{args.num_requests} requests, {args.prompt_len}/{args.output_len}{cap}"
     rows: list[dict] = []
     for shape in args.shapes.split(","):
         loaded = load_dummy(shape, torch.float32, "cpu", seed=args.seed)

@@ -66,6 +66,19 @@ def test_engine_gpu_dry_run_on_the_cpu(tmp_path, monkeypatch) -> None:
     assert row["hf_static"]["batch_size"] in (2, 4)
 
 
+def test_engine_gpu_output_lengths_are_spread_as_real_traffic() -> None:
+    """Capped exponential of mean --output-len: spread (not all one length), within [1, cap],
+    the mean near --output-len, the same for one seed; --output-cap 0: all --output-len."""
+    args = engine_gpu.parse_args(["--device", "cpu"])
+    lens = engine_gpu.output_lens(args, 4096)
+    assert lens == engine_gpu.output_lens(args, 4096)
+    assert min(lens) >= 1 and max(lens) == args.output_cap == 512
+    assert len(set(lens)) > 100
+    assert 0.9 * 128 < sum(lens) / len(lens) < 1.1 * 128  # the cap trims ~2% of the mean
+    fixed = engine_gpu.parse_args(["--device", "cpu", "--output-cap", "0"])
+    assert engine_gpu.output_lens(fixed, 7) == [128] * 7
+
+
 def test_hf_baseline_computes_what_headrace_computes() -> None:
     """The HF model built from the dummy tensors is the same function as headrace's: on the
     tiny shape in fp32 their greedy tokens agree."""
