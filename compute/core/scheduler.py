@@ -48,9 +48,15 @@ the same step after its last token: 1 + K query tokens, counted against the budg
 KV slots reserved for all of them. Drafts are made only while at most ``max_batch``
 sequences run, for requests without penalties, when the budget and the request's
 remaining length leave room, and never at the cost of a preemption (a draft that does not
-fit is dropped). ``resolve`` then takes the 1 + a tokens the runner emits (a accepted
-draft tokens, then the model's own), one ``RequestOutput`` each, so a stop or a length
-limit inside the run ends the request exactly there; ``num_computed_tokens`` counts only
+fit is dropped). A draft the model wholly rejects costs a wider step for nothing, so its
+sequence then pauses drafting for 1, 2, 4 ... up to ``MAX_DRAFT_BACKOFF`` decode steps
+(doubling while drafts keep missing, reset by any accepted token): free-form text, where
+n-gram guesses rarely hold, runs at nearly the plain speed, while copying text, where they
+do, keeps drafting every step. Drafting changes only speed, never the tokens.
+
+``resolve`` then takes the 1 + a tokens the runner emits (a accepted draft tokens, then
+the model's own), one ``RequestOutput`` each, so a stop or a length limit inside the run
+ends the request exactly there; ``num_computed_tokens`` counts only
 the accepted inputs, and the tail blocks past the sequence are given back. Rejected
 tokens' K/V lie past ``num_computed_tokens``, in blocks not yet full, which are never
 published to the prefix cache before later steps overwrite those slots.
@@ -74,6 +80,8 @@ from compute.core.ngram import propose_ngram
 from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
 from compute.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from compute.core.step_plan import StepPlan
+
+MAX_DRAFT_BACKOFF = 8  # the longest pause in drafting after wholly rejected drafts (steps)
 
 
 class Scheduler:
@@ -223,6 +231,9 @@ class Scheduler:
             or seq.sampling_params.penalized  # its penalties would need the draft as history
         ):
             return ()
+        if seq.draft_skip > 0:  # backing off after wholly rejected drafts
+            seq.draft_skip -= 1
+            return ()
         # Room for the draft and one more token: in the budget, in max_tokens, in the model.
         room = min(
             spec.num_tokens,
@@ -364,6 +375,11 @@ class Scheduler:
         self.num_draft_tokens += len(draft)
         self.num_accepted_tokens += accepted
         self.num_spec_emitted_tokens += 1 + accepted
+        if accepted:
+            seq.draft_backoff = 0
+        else:
+            seq.draft_backoff = min(MAX_DRAFT_BACKOFF, 2 * seq.draft_backoff or 1)
+            seq.draft_skip = seq.draft_backoff
         outputs = []
         for token_id, logprob in more:
             if seq.is_finished:

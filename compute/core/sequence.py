@@ -43,6 +43,10 @@ class Sequence:
     # Trailing entries of output_token_ids that are PLACEHOLDERs: 0 with synchronous output,
     # at most 1 between steps with asynchronous output (the step in flight).
     num_pending: int = 0
+    # Speculative decoding's back-off (compute/core/scheduler.py): decode steps left without
+    # a draft, and the length of the last such pause (doubled by each wholly rejected draft).
+    draft_skip: int = 0
+    draft_backoff: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

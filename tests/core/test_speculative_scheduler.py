@@ -132,7 +132,8 @@ def test_acceptance_of_each_length_emits_that_many_plus_one(accept):
         [item] = out.scheduled
         draft = len(item.draft_token_ids)
         assert item.num_new_tokens == 1 + draft
-        assert draft == min(K, 40 - before - 1)  # drafts never run past max_tokens
+        if accept > 0 or draft:  # (accept 0: pauses in drafting, see the next test)
+            assert draft == min(K, 40 - before - 1)  # drafts never run past max_tokens
         assert len(h.tokens["a"]) - before == min(accept, draft) + 1
         accepted += min(accept, draft)
         if not seq.is_finished:  # the sequence is a decode again, its tail blocks trimmed
@@ -145,6 +146,29 @@ def test_acceptance_of_each_length_emits_that_many_plus_one(accept):
     assert h.sched.num_accepted_tokens == accepted
     assert h.sched.num_draft_tokens == sum(h.drafts)
     assert h.sched.kv_manager.usage == 0
+
+
+def test_wholly_rejected_drafts_back_off_doubling_and_an_accepted_token_resets():
+    """After a draft of which nothing is accepted the sequence drafts nothing for 1, 2, 4,
+    then MAX_DRAFT_BACKOFF decode steps; one accepted token resets the pause. Its tokens
+    stay the reference's."""
+    from compute.core.scheduler import MAX_DRAFT_BACKOFF
+
+    accept = iter([0] * 5 + [K] * 3 + [0] * 100)
+    h = SpecHarness(reject_at=lambda: next(accept))
+    seq = h.add("a", 10, max_tokens=80)
+    h.step()  # prefill
+    pattern = []  # per decode step: the draft's length (0: none)
+    while not seq.is_finished:
+        [item] = h.step().scheduled
+        pattern.append(len(item.draft_token_ids))
+    assert h.tokens["a"] == h.reference(seq)
+    d = [i for i, n in enumerate(pattern) if n]
+    pauses = [b - a - 1 for a, b in itertools.pairwise(d)]
+    assert MAX_DRAFT_BACKOFF == 8
+    # five rejected drafts, then three accepted ones (no pause after them), then rejected
+    assert pauses[:8] == [1, 2, 4, 8, 8, 0, 0, 0]
+    assert pauses[8:11] == [1, 2, 4]
 
 
 def test_drafts_respect_max_tokens_budget_and_max_batch():
