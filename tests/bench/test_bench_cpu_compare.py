@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import sys
 import types
@@ -222,9 +223,12 @@ def test_busy_machine_warning() -> None:
 def test_cpu_compare_dry_run_one_headrace_server(tmp_path, monkeypatch) -> None:
     """``python -m bench.cpu_compare`` end to end on tiny settings: a real ``headrace serve``
     subprocess (quantized), every part, the JSON and PNG. HF and llama.cpp are left out
-    (their plumbing is checked above with fakes); no timing is asserted."""
+    (their plumbing is checked above with fakes); no timing is asserted. --gguf names the
+    file explicitly (every system serves it: headrace gets it as --model)."""
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
-    cpu_compare.main(["--headrace-weights", "quantized", "--no-hf", "--llama-server", "none",
+    gguf = str(common.default_gguf_path())
+    cpu_compare.main(["--gguf", gguf, "--headrace-weights", "quantized", "--no-hf",
+                      "--llama-server", "none",
                       "--reps", "1", "--new-tokens", "4", "--decode-prompt-len", "8",
                       "--ttft-prompt-len", "16", "--num-requests", "3", "--output-mean", "2",
                       "--output-cap", "4", "--idle-wait", "0", "--name", "t"])  # fmt: skip
@@ -232,6 +236,15 @@ def test_cpu_compare_dry_run_one_headrace_server(tmp_path, monkeypatch) -> None:
     assert path.with_suffix(".png").stat().st_size > 0
     result = json.loads(path.read_text())
     assert set(result["systems"]) == {"headrace[quantized]"}
+    command = result["systems"]["headrace[quantized]"]["info"]["command"]
+    assert command[command.index("--model") + 1] == gguf
     assert {"summary", "ratios", "goals", "plan", "skipped"} <= set(result)
     summary = result["summary"]["headrace[quantized]"]
     assert summary["decode_tok_s"] > 0 and summary["rss_idle_mib"] > 0
+
+
+def test_the_llama_server_make_builds_is_where_the_benchmarks_look() -> None:
+    makefile = (common.REPO_ROOT / "Makefile").read_text()
+    [version] = re.findall(r"^LLAMA_CPP_PYTHON \?= (\S+)$", makefile, re.M)
+    assert f"llama-quantize-{version}/build-server/bin/llama-server" in str(llama.MAKE_BUILT)
+    assert "LLAMA_SERVER := $(LLAMA_QUANTIZE_DIR)/build-server/bin/llama-server" in makefile
