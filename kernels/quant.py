@@ -5,7 +5,8 @@ codes interleaved). ``QuantizedWeight`` keeps the same bytes, regrouped per row 
 a row's codes are contiguous and its scales follow them (the layout is spelled out at
 the top of kernels/csrc/cpu/quant_linear.cpp); nothing is requantized, so every weight
 dequantizes to exactly the fp32 value of ``gguf.quants.dequantize``. Q5_0, Q5_1 and the
-K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) keep the file's bytes unchanged
+K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) and IQ4_NL / IQ4_XS (4-bit indices into
+a fixed table of 16 values; IQ4_XS in super-blocks of 256) keep the file's bytes unchanged
 (``file_order``): the exact kernel reads their blocks in place; they have no tiled layout.
 
 The int8 kernel reads a second arrangement of the same bytes, ``tiled()``: rows in tiles
@@ -49,6 +50,8 @@ FORMATS = {
     "q4_k": BlockFormat("q4_k", 5, 144, 0, 0, 256, file_order=True),
     "q5_k": BlockFormat("q5_k", 6, 176, 0, 0, 256, file_order=True),
     "q6_k": BlockFormat("q6_k", 7, 210, 0, 0, 256, file_order=True),
+    "iq4_nl": BlockFormat("iq4_nl", 9, 18, 0, 0, file_order=True),
+    "iq4_xs": BlockFormat("iq4_xs", 10, 136, 0, 0, 256, file_order=True),
 }
 # Weights of different formats stacked row-wise (QuantizedWeight.stack): data is a table of
 # the parts, each computed in its own format (quant_linear.cpp hr_quant_linear).
@@ -145,8 +148,8 @@ class QuantizedWeight:
         """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0), for the formats
         kept in file order: Q5_0 becomes Q8_0 exactly (codes q - 16, the same d); Q4_K
         becomes Q4_1 (the same nibbles; each block's d * sc and -dmin * m rounded to fp16,
-        a relative change below 2^-11 of the block's scale); Q5_1, Q5_K and Q6_K are
-        requantized to Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes rounded: an
+        a relative change below 2^-11 of the block's scale); Q5_1, Q5_K, Q6_K, IQ4_NL and
+        IQ4_XS are requantized to Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes rounded: an
         error of at most d / 2 per weight). The int8 numerics approximate anyway (activations
         in 8 bits, ~0.4% per element); the exact kernel keeps the file's weights."""
         f, rows = self.format, self.rows
@@ -309,6 +312,32 @@ def _q6k(data: torch.Tensor, rows: int) -> torch.Tensor:
     return scale * q
 
 
+# llama.cpp's kvalues_iq4nl: the 16 values a 4-bit IQ4_NL / IQ4_XS index stands for.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_values(qs: torch.Tensor) -> torch.Tensor:
+    """Index bytes [..., 16] -> table values [..., 32] (low nibbles 0-15, high 16-31)."""
+    table = torch.tensor(IQ4_VALUES, dtype=torch.float32)
+    return table[torch.cat([qs & 15, qs >> 4], dim=-1).long()]
+
+
+def _iq4nl(data: torch.Tensor, rows: int) -> torch.Tensor:
+    raw = data.reshape(rows, -1, 18)
+    return _halves(raw[..., :2]) * _iq4_values(raw[..., 2:].int())
+
+
+def _iq4xs(data: torch.Tensor, rows: int) -> torch.Tensor:
+    raw = data.reshape(rows, -1, 136)
+    b = raw.int()
+    high = (b[..., 2] | b[..., 3] << 8).unsqueeze(-1)  # [rows, nsb, 1]
+    j = torch.arange(8, dtype=torch.int32)
+    low = (b[..., 4 + j // 2] >> (4 * (j % 2))) & 15
+    ls = low | ((high >> (2 * j)) & 3) << 4  # [rows, nsb, 8]
+    dl = (_halves(raw[..., :2]) * (ls - 32).float()).unsqueeze(-1)
+    return dl * _iq4_values(b[..., 8:].reshape(rows, -1, 8, 16))
+
+
 def _q8_0(rows: int, cols: int, d: torch.Tensor, codes: torch.Tensor) -> QuantizedWeight:
     """A Q8_0 weight from fp16 d [rows, nb, 1] and integer-valued codes [rows, nb, 32]."""
     blocks = torch.cat(
@@ -347,4 +376,6 @@ _DEQUANTIZE_FILE_ORDER = {
     "q4_k": lambda data, rows: _qk(data, rows, high_bits=False),
     "q5_k": lambda data, rows: _qk(data, rows, high_bits=True),
     "q6_k": _q6k,
+    "iq4_nl": _iq4nl,
+    "iq4_xs": _iq4xs,
 }

@@ -1,7 +1,8 @@
-"""Whole models whose matrices are K-quants and Q5_x (a Q4_K_M file's mix), loaded in their
-blocks: the loader keeps them (an unsupported type loads dense, named in one warning), the
-fused q|k|v of mixed formats stays quantized, the fused decoder call gives the per-op path's
-bits, and the result is the dense model's; int8 mode converts them to its formats.
+"""Whole models whose matrices are K-quants and Q5_x (a Q4_K_M file's mix) or IQ4_NL / IQ4_XS,
+loaded in their blocks: the loader keeps them (an unsupported type loads dense, named in one
+warning), the fused q|k|v of mixed formats stays quantized, the fused decoder call gives the
+per-op path's bits, and the result is the dense model's; int8 mode converts them to its
+formats.
 
 The files are tiny llamas written here with random blocks (gguf-py cannot quantize to
 K-quants); transformers loads the same files for the greedy parity checks.
@@ -163,6 +164,22 @@ def test_int8_mode_converts_them_to_its_formats(kquant_file):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_int8_mode_requantizes_iq4_to_q8_0(tmp_path, monkeypatch):
+    path = _write(tmp_path / "iq4.gguf", MIXES["iq4"], monkeypatch)
+    loaded = load_model(str(path), progress=False, quantized=True)
+    kept = loaded.weights["model.layers.0.self_attn.q_proj.weight"]
+    assert kept.format.name == "iq4_xs"
+    exact = loaded.weights["model.layers.0.self_attn.o_proj.weight"].dequantize()
+    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+    layer = model.layers[0]
+    names = [p.quantized.format.name for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    assert names == ["q8_0"] * 4
+    # Q8_0 with d = max|w| / 127 per block: every weight within d / 2 (+ fp16 rounding of d).
+    blocks = exact.reshape(exact.shape[0], -1, 32)
+    err = (layer.o_proj.quantized.dequantize() - exact).abs().reshape(blocks.shape)
+    assert bool((err <= 0.5 * blocks.abs().amax(-1, keepdim=True) / 127 * 1.01).all())
+
+
 # Tiny files of each K-quant mix, against transformers loading the same file (it
 # dequantizes with gguf-py, the kernels' oracle): greedy tokens must be identical.
 MIXES = {
@@ -170,6 +187,7 @@ MIXES = {
     "q5_k_m": {(256, 256): Q.Q5_K, (128, 256): Q.Q6_K, (512, 256): Q.Q5_K, (256, 512): Q.Q6_K},
     "q6_k": {(256, 256): Q.Q6_K, (128, 256): Q.Q6_K, (512, 256): Q.Q6_K, (256, 512): Q.Q6_K},
     "q5_x": {(256, 256): Q.Q5_1, (128, 256): Q.Q5_0, (512, 256): Q.Q5_1, (256, 512): Q.Q5_0},
+    "iq4": {(256, 256): Q.IQ4_XS, (128, 256): Q.IQ4_NL, (512, 256): Q.IQ4_XS, (256, 512): Q.IQ4_NL},
 }
 
 

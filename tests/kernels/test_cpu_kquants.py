@@ -1,5 +1,5 @@
 """The exact kernels over the formats kept in the file's own blocks (Q5_0, Q5_1, Q4_K, Q5_K,
-Q6_K: kernels/quant.py ``file_order``) against gguf's numpy dequantization.
+Q6_K, IQ4_NL, IQ4_XS: kernels/quant.py ``file_order``) against gguf's numpy dequantization.
 
 Random blocks (finite fp16 d / dmin, random codes and packed scales) of every type:
 the kernels' expansion is bit-identical to gguf.quants.dequantize; the products match the
@@ -28,9 +28,12 @@ GGUF_TYPES = {
     "q4_k": gguf.GGMLQuantizationType.Q4_K,
     "q5_k": gguf.GGMLQuantizationType.Q5_K,
     "q6_k": gguf.GGMLQuantizationType.Q6_K,
+    "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL,
+    "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS,
 }
 # Byte offsets of each block's fp16 fields (d, and m or dmin).
-HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+          "iq4_nl": (0,), "iq4_xs": (0,)}  # fmt: skip
 
 
 def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:

@@ -7,9 +7,10 @@
 //             (weight = d[b] * q + m[b])
 //   Q8_0 row: nb * 32 int8 codes, then nb fp16 scales d (weight = d[b] * q)
 // (in a block of 32 weights, low nibbles are weights 0-15 and high nibbles 16-31)
-// with nb = k / 32. Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) keep the file's blocks
-// as they are (their layouts are spelled out above their expansions below); each format
-// gives every block of 32 weights a d and an m, so they all run through the same kernels. d * q is exact in fp32 (an 11-bit mantissa times a 4- or 8-bit
+// with nb = k / 32. Q5_0, Q5_1, the K-quants (Q4_K, Q5_K, Q6_K) and IQ4_NL / IQ4_XS keep
+// the file's blocks as they are (their layouts are spelled out above their expansions
+// below); each format gives every block of 32 weights a d and an m, so they all run
+// through the same kernels. d * q is exact in fp32 (an 11-bit mantissa times a 4- or 8-bit
 // integer) and so is Q4_0's d*q - 8d, so each weight is bit-identical to the fp32
 // value gguf.quants.dequantize gives.
 //
@@ -216,6 +217,60 @@ struct Q6_K {
   }
 };
 
+// IQ4_NL and IQ4_XS: 4-bit indices into llama.cpp's fixed non-linear table of 16 int8
+// values (kvalues_iq4nl), nibble order as Q4_0's (low nibbles weights 0-15, high 16-31).
+//   IQ4_NL (18 bytes per 32): d, 16 bytes of indices; weight = d * table[q].
+//   IQ4_XS (136 bytes per 256): d, scales_h (16 bits), scales_l (4 bytes), 128 bytes of
+//     indices (block j: bytes 16 j..); block j's 6-bit scale ls = nibble j of scales_l |
+//     bits 2j, 2j + 1 of scales_h << 4, weight = (d * (ls - 32)) * table[q].
+// Every product is exact in fp32 (fp16 x 6-bit x 7-bit integers < 2^24), so the weights
+// are gguf's bit for bit.
+static inline __m128i iq4_values(__m128i idx) {
+  const __m128i table = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
+                                      53, 69, 89, 113);
+  return _mm_shuffle_epi8(table, idx);
+}
+
+static inline void iq4_expand(const uint8_t* qs, float d, v16f& lo, v16f& hi) {
+  const __m128i q = load128(qs), mask = _mm_set1_epi8(15);
+  lo = bytes_to_float(iq4_values(_mm_and_si128(q, mask)), true) * d;
+  hi = bytes_to_float(iq4_values(_mm_and_si128(_mm_srli_epi16(q, 4), mask)), true) * d;
+}
+
+struct IQ4_NL {
+  static constexpr int64_t kBytes = 18, kBlocks = 1, kStride = 18;
+  static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      d[b] = half_to_float(row + b * kBytes);
+      m[b] = 0.0f;
+    }
+  }
+  static inline void expand(const uint8_t* row, int64_t b, float d, float, v16f& lo,
+                            v16f& hi) {
+    iq4_expand(row + b * kBytes + 2, d, lo, hi);
+  }
+};
+
+struct IQ4_XS {
+  static constexpr int64_t kBytes = 136, kBlocks = 8, kStride = 17;
+  static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
+    for (int64_t s = 0; s < nb / 8; ++s) {
+      const uint8_t* sb = row + s * kBytes;
+      const float dd = half_to_float(sb);
+      const int high = sb[2] | (sb[3] << 8);
+      for (int j = 0; j < 8; ++j) {
+        const int ls = ((sb[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
+        d[8 * s + j] = dd * static_cast<float>(ls - 32);
+        m[8 * s + j] = 0.0f;
+      }
+    }
+  }
+  static inline void expand(const uint8_t* row, int64_t b, float d, float, v16f& lo,
+                            v16f& hi) {
+    iq4_expand(row + (b >> 3) * kBytes + 8 + 16 * (b & 7), d, lo, hi);
+  }
+};
+
 // One group of G weight rows, its scales converted once.
 template <class F, int G>
 struct Group {
@@ -382,7 +437,7 @@ void dequantize_rows(const uint8_t* w, int64_t k, const int64_t* rows, int64_t c
 }
 
 enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5,
-                        kQ5_K = 6, kQ6_K = 7, kStacked = 8 };
+                        kQ5_K = 6, kQ6_K = 7, kStacked = 8, kIQ4_NL = 9, kIQ4_XS = 10 };
 
 void linear_of(int64_t format, const float* x, int64_t n, int64_t k, const uint8_t* w,
                int64_t m, float* out, int64_t ldo, const float* bias) {
@@ -394,6 +449,8 @@ void linear_of(int64_t format, const float* x, int64_t n, int64_t k, const uint8
     case kQ4_K: return linear<Q4_K>(x, n, k, w, m, out, ldo, bias);
     case kQ5_K: return linear<Q5_K>(x, n, k, w, m, out, ldo, bias);
     case kQ6_K: return linear<Q6_K>(x, n, k, w, m, out, ldo, bias);
+    case kIQ4_NL: return linear<IQ4_NL>(x, n, k, w, m, out, ldo, bias);
+    case kIQ4_XS: return linear<IQ4_XS>(x, n, k, w, m, out, ldo, bias);
     default: return linear<Q8_0>(x, n, k, w, m, out, ldo, bias);
   }
 }
@@ -428,5 +485,7 @@ HR_EXPORT void hr_dequantize_rows(int64_t format, const uint8_t* w, int64_t k,
   if (format == kQ4_K) return dequantize_rows<Q4_K>(w, k, rows, count, out);
   if (format == kQ5_K) return dequantize_rows<Q5_K>(w, k, rows, count, out);
   if (format == kQ6_K) return dequantize_rows<Q6_K>(w, k, rows, count, out);
+  if (format == kIQ4_NL) return dequantize_rows<IQ4_NL>(w, k, rows, count, out);
+  if (format == kIQ4_XS) return dequantize_rows<IQ4_XS>(w, k, rows, count, out);
   return dequantize_rows<Q8_0>(w, k, rows, count, out);
 }
