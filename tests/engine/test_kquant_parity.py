@@ -1,5 +1,6 @@
-"""The embedded SmolLM2 requantized to Q4_K_M by llama.cpp's llama-quantize (a real file:
-Q4_K, Q6_K, Q5_0 and Q8_0 tensors, mixed inside fused projections), served from its
+"""The embedded SmolLM2 requantized by llama.cpp's llama-quantize to Q4_K_M (a real file:
+Q4_K, Q6_K, Q5_0 and Q8_0 tensors, mixed inside fused projections) and to IQ4_XS (IQ4_XS,
+IQ4_NL, Q5_K, Q8_0), served from its
 blocks: greedy tokens identical to transformers loading the same file, which dequantizes
 it with gguf-py (the kernels' oracle). Skipped until ``make llama-quantize`` has built
 the tool (bench/requantize.py says how)."""
@@ -31,31 +32,41 @@ PROMPTS = [
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def q4_k_m() -> Path:
-    if (
-        requantize.quantize_tool() is None
-        and not (requantize.cache_dir() / "models" / "SmolLM2-135M-Instruct.Q4_K_M.gguf").is_file()
-    ):
+# llama-quantize types: Q4_K_M (Q4_K, Q6_K, Q5_0, Q8_0) and IQ4_XS (IQ4_XS where rows are
+# multiples of 256, IQ4_NL for SmolLM2's 576-wide ones, a few Q5_K and Q8_0).
+KINDS = ["Q4_K_M", "IQ4_XS"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def requantized(request) -> Path:
+    kind = request.param
+    cached = requantize.cache_dir() / "models" / f"SmolLM2-135M-Instruct.{kind}.gguf"
+    if requantize.quantize_tool() is None and not cached.is_file():
         pytest.skip("llama-quantize is not built: run `make llama-quantize`")
-    return requantize.requantized("Q4_K_M")
+    return requantize.requantized(kind)
 
 
-def test_q4_k_m_greedy_parity_with_transformers(q4_k_m):
+def test_greedy_parity_with_transformers(requantized):
     transformers = pytest.importorskip("transformers")
     engine = Engine(
         EngineConfig(
-            model=str(q4_k_m),
+            model=str(requantized),
             cache=CacheConfig(num_blocks=64),
             device=DeviceConfig(device="cpu", cpu_kernels="native", weights="quantized"),
         )
     )
     model = engine.runner.model
     assert engine.weights == "quantized" and model.fused_layers
-    kinds = {p.quantized.format.name for layer in model.layers for p in (layer.qkv, layer.down)}
-    assert "stacked" in kinds or "q6_k" in kinds  # the file mixes Q6_K in, as llama.cpp does
+    formats = set()
+    for layer in model.layers:
+        for proj in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            parts = proj.quantized.parts or (proj.quantized,)
+            formats |= {part.format.name for part in parts}
+    # Nothing fell back to dense; the file's own types are computed from their blocks.
+    expected = {"q4_k", "q6_k"} if "Q4_K" in requantized.name else {"iq4_nl", "iq4_xs"}
+    assert expected <= formats, formats
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(q4_k_m.parent), gguf_file=q4_k_m.name, dtype=torch.float32
+        str(requantized.parent), gguf_file=requantized.name, dtype=torch.float32
     ).eval()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for prompt in PROMPTS:
