@@ -10,8 +10,8 @@ within each repetition (A/B interleaved): the machine is shared, so a busy spell
 of them alike. Also the idle RSS of each file's model loaded in blocks and dequantized
 (a fresh process each, model built as the engine builds it).
 
-Default files: the embedded SmolLM2 (Q4_1) and the same model requantized to Q4_K_M by
-llama-quantize (bench/requantize.py; ``make llama-quantize`` first).
+Default files: the embedded SmolLM2 (Q4_1) and the same model requantized to Q4_K_M and
+IQ4_XS by llama-quantize (bench/requantize.py; ``make llama-quantize`` first).
 Run: ``python bench/kquant_pass.py``; writes bench/results/kquant-pass-<stamp>.json.
 """
 
@@ -87,7 +87,7 @@ def idle_rss(path: str, quantized: bool) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
-    p.add_argument("--files", nargs="*", help="GGUF files (default: Q4_K_M and Q4_1 SmolLM2)")
+    p.add_argument("--files", nargs="*", help="GGUF files (default: SmolLM2 Q4_K_M, IQ4_XS, Q4_1)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=15, help="interleaved rounds (median)")
     p.add_argument("--passes", type=int, default=20, help="passes per case per round")
@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         from bench.requantize import requantized
         from compute.loaders.default_model import default_model_path
 
-        args.files = [str(requantized("Q4_K_M")), str(default_model_path())]
+        made = [str(requantized(kind)) for kind in ("Q4_K_M", "IQ4_XS")]
+        args.files = [*made, str(default_model_path())]
     cases = {}
     for path in args.files:
         for mode in ("quantized", "quantized-int8"):
