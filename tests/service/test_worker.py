@@ -85,10 +85,12 @@ def test_protocol_defaults_and_optional_fields() -> None:
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
-        (_request(min_tokens=3), "sampling_params.min_tokens"),
-        (_request(n=2), "sampling_params.n"),
+        (_request(min_tokens=3, max_tokens=2), "sampling_params.min_tokens"),
+        (_request(n=1000), "sampling_params.n"),
         (_request(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
-        (_request(logit_bias={5: 1.0}), "sampling_params.logit_bias"),
+        (_request(logit_bias={5: 100.5}), "sampling_params.logit_bias"),
+        (_request(logit_bias={-1: 1.0}), "sampling_params.logit_bias"),
+        (_request(logit_bias={60000: 1.0}), "sampling_params.logit_bias"),
         (_request(truncate_prompt_tokens=4), "sampling_params.truncate_prompt_tokens"),
         (_request(json_schema="{}"), "sampling_params.json_schema"),
         (_request(regex="a+"), "sampling_params.regex"),
