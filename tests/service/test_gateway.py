@@ -144,6 +144,21 @@ def test_n_3_streamed_carries_each_choice_index(stack, sdk) -> None:
     assert len(set(texts.values())) == 1 and "Paris" in texts[0]  # greedy: the same answer
 
 
+def test_min_tokens_on_completions_reaches_the_worker(stack, sdk) -> None:
+    # SMG 1.13 forwards min_tokens from /v1/completions (not from chat, nor logit_bias:
+    # those are shown over headrace.v1 in test_sampling_api.py).
+    api, model = sdk
+    answered = (
+        "<|im_start|>user\nWhat is 2+2? Answer with one digit.<|im_end|>\n<|im_start|>assistant\n4"
+    )
+    plain = api.completions.create(model=model, prompt=answered, temperature=0, max_tokens=10)
+    assert plain.usage.completion_tokens == 1  # EOS at once
+    held = api.completions.create(
+        model=model, prompt=answered, temperature=0, max_tokens=10, extra_body={"min_tokens": 6}
+    )
+    assert held.usage.completion_tokens >= 6
+
+
 def test_requests_land_on_both_replicas(stack, sdk) -> None:
     _, replicas, _ = stack
     api, model = sdk
