@@ -172,3 +172,44 @@ def test_a_bias_outside_the_vocabulary_names_the_id(engine) -> None:
     vocab = engine.model_config.vocab_size
     with pytest.raises(FieldError, match=f"logit_bias: token id {vocab} is outside"):
         engine.add_request("x", [1, 2, 3], SamplingParams(logit_bias=((vocab, 1.0),)))
+
+
+def _engine(**device_or_spec):
+    from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SpeculativeConfig
+    from compute.engine import Engine
+    from tests.engine.test_engine import shared_model
+
+    spec = device_or_spec.pop("speculative", SpeculativeConfig())
+    return Engine(
+        EngineConfig(
+            cache=CacheConfig(block_size=16, num_blocks=256),
+            device=DeviceConfig(device="cpu", num_threads=1, **device_or_spec),
+            speculative=spec,
+        ),
+        loaded=shared_model(),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["async_output", "speculative"])
+def test_same_tokens_with_async_output_and_speculation(engine, variant: str) -> None:
+    """min_tokens counts the token being sampled, whether the step before is still in
+    flight (a placeholder) or drafts are verified: outputs equal the plain engine's."""
+    from compute.core.config import SpeculativeConfig
+    from tests.engine.test_speculative_engine import copy_prompts
+
+    if variant == "async_output":
+        other = _engine(async_output=True)
+    else:
+        other = _engine(async_output=False, speculative=SpeculativeConfig(method="ngram"))
+    eos = engine.model_config.eos_token_ids[0]
+    prompts = [engine.tokenizer.encode(ANSWERED), copy_prompts()[0], QUESTION]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=5),
+        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=10, logit_bias=((eos, 100.0),)),
+        SamplingParams(temperature=0.0, max_tokens=8, logit_bias=((eos, -100.0),)),
+    ]
+    expected = [o.token_ids for o in engine.generate(prompts, params)]
+    assert [o.token_ids for o in other.generate(prompts, params)] == expected
+    assert len(expected[0]) >= 5 and eos not in expected[0][:5]
+    assert len(expected[1]) == 11 and expected[1][-1] == eos  # EOS as soon as it may come
