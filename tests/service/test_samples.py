@@ -129,3 +129,20 @@ def test_an_invalid_sample_request_fails_before_anything_streams(engine: FakeEng
         with pytest.raises(FieldError, match="max_tokens"):
             asyncio.run(collect(pipeline, request(3, max_tokens=5000)))
         assert pipeline.num_pending == 0
+
+
+def test_generate_batch_requests_with_n_carry_both_indexes(served) -> None:
+    from services.gen.headrace.v1 import generation_pb2 as pb
+
+    requests = [
+        pb.GenerateRequest(prompt="Hi", n=2, stopping=pb.StoppingCriteria(max_tokens=3)),
+        pb.GenerateRequest(prompt="Yo", stopping=pb.StoppingCriteria(max_tokens=3)),
+    ]
+    batch = pb.GenerateBatchRequest(requests=requests)
+    responses = list(served.stub().GenerateBatch(batch, timeout=30))
+    completes = sorted(
+        (r.index, r.complete.sample_index) for r in responses if r.HasField("complete")
+    )
+    assert completes == [(0, 0), (0, 1), (1, 0)]
+    chunks = {(r.index, r.chunk.sample_index) for r in responses if r.HasField("chunk")}
+    assert chunks == {(0, 0), (0, 1), (1, 0)}
