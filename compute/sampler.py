@@ -1,8 +1,9 @@
 """Sampler: one step's logits -> next token ids (and logprobs), on the model's device.
 
 The model runner calls ``Sampler.sample`` once per step with the logits of the sequences
-that sample, one row per sequence in schedule order. Per row: penalties, then either
-greedy argmax (temperature 0) or temperature -> top-k -> top-p -> min-p -> random draw.
+that sample, one row per sequence in schedule order. Per row: logit_bias and min_tokens
+(compute/logit_processors.py), penalties, then either greedy argmax (temperature 0) or
+temperature -> top-k -> top-p -> min-p -> random draw.
 Every stage is batched over the rows with per-row parameter tensors, and a stage that
 no row asks for is skipped entirely (no sort without top-k/top-p, no log_softmax
 without logprobs, no count tensors without penalties).
@@ -52,6 +53,7 @@ from compute.core.messages import TokenLogprob
 from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
 from compute.fault_injection import FaultInjector
+from compute.logit_processors import process_logits
 from compute.penalties import Penalties
 from kernels.transfer import device_tensor
 
@@ -63,11 +65,12 @@ _MIN_TEMPERATURE = 1e-5
 class Sampler:
     """Batched, device-side sampling with per-request generators for seeded requests."""
 
-    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size: must be >= 1 (got {vocab_size!r})")
         self.vocab_size = vocab_size
         self.seed = seed
+        self.eos_token_ids = tuple(eos_token_ids)  # banned before a request's min_tokens
         self._penalties = Penalties(vocab_size)
         self._global_generators: dict[torch.device, torch.Generator] = {}
         self._request_generators: dict[str, torch.Generator] = {}
@@ -92,7 +95,8 @@ class Sampler:
         if not seqs:
             return torch.empty(0, dtype=torch.long, device=logits.device), LogprobRows(params)
         logits = logits.float()  # no copy when already float32
-        penalized = self._penalties.apply(logits, seqs)
+        processed = process_logits(logits, seqs, self.eos_token_ids)  # logit_bias, min_tokens
+        penalized = self._penalties.apply(processed, seqs)
         tokens = self._choose(penalized, seqs)
         if self.faults is not None:
             self.faults.check_sampling(seqs)

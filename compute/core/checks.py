@@ -74,3 +74,6 @@ def _check_vocabulary(
     bad = next((t for t in params.stop_token_ids if t >= vocab), None)
     if bad is not None:
         raise FieldError("stop_token_ids", f"{bad} is outside the vocabulary [0, {vocab})")
+    bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+    if bad is not None:
+        raise FieldError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab})")

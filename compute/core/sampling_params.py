@@ -21,6 +21,8 @@ MAX_STOP_TOKEN_IDS = 256
 # A penalty below this divides a logit past float32's range (inf, then NaN in softmax).
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS_ENTRIES = 300  # token ids one request may bias (OpenAI allows 300)
+MAX_LOGIT_BIAS = 100.0  # |bias| at most (OpenAI's range)
 _UNSHOWN = object()
 
 
@@ -41,6 +43,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: bool = False  # return the sampled token's logprob
     top_logprobs: int = 0  # also return this many alternatives (<= 20)
+    # (token id, bias) pairs, ids ascending: added to the logits (compute/logit_processors.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS, stop tokens and stop strings do not end it before this many
 
     def __post_init__(self) -> None:
         # The sampler computes in float32: a value valid as a Python float can be 0 or inf
@@ -81,16 +86,21 @@ class SamplingParams:
             f"at most {MAX_STOP_TOKEN_IDS} ids",
         )
         _check("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "ids must be >= 0")
+        _check_logit_bias(self.logit_bias)
+        _check("min_tokens", self.min_tokens >= 0, "must be >= 0", self.min_tokens)
+        ok = self.max_tokens is None or self.min_tokens <= self.max_tokens
+        _check("min_tokens", ok, f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
 
     def with_max_tokens_for(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Resolve an unset max_tokens: the default, capped to the room the context leaves.
 
         An explicit max_tokens is kept as given (admission rejects it if it cannot fit).
+        The default grows to min_tokens; a min_tokens beyond the room is a FieldError.
         """
         if self.max_tokens is not None:
             return self
         room = max(1, max_model_len - num_prompt_tokens)
-        return replace(self, max_tokens=min(DEFAULT_MAX_TOKENS, room))
+        return replace(self, max_tokens=min(max(DEFAULT_MAX_TOKENS, self.min_tokens), room))
 
     @property
     def greedy(self) -> bool:
@@ -114,6 +124,24 @@ def _check(field: str, ok: bool, rule: str, value: object = _UNSHOWN) -> None:
     if not ok:
         shown = "" if value is _UNSHOWN else f" (got {capped(value)})"
         raise FieldError(field, rule + shown)
+
+
+def _check_logit_bias(entries: tuple[tuple[int, float], ...]) -> None:
+    field = "logit_bias"
+    n = len(entries)
+    _check(field, n <= MAX_LOGIT_BIAS_ENTRIES, f"at most {MAX_LOGIT_BIAS_ENTRIES} entries", n)
+    seen: set[int] = set()
+    for token_id, bias in entries:
+        _check(field, token_id >= 0, "token ids must be >= 0", token_id)
+        _check(field, token_id not in seen, "a token id is given twice", token_id)
+        seen.add(token_id)
+        rule = f"the bias of token {token_id} must be in [-100, 100]"
+        _check_f32(field, bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, rule)
+
+
+def logit_bias_entries(mapping: dict[int, float]) -> tuple[tuple[int, float], ...]:
+    """A ``{token id: bias}`` map as SamplingParams.logit_bias (ids ascending)."""
+    return tuple(sorted((int(k), float(v)) for k, v in mapping.items()))
 
 
 def _check_f32(

@@ -229,6 +229,7 @@ class Scheduler:
             or len(self.running) > spec.max_batch
             or seq.num_pending
             or seq.sampling_params.penalized  # its penalties would need the draft as history
+            or seq.num_output_tokens < seq.sampling_params.min_tokens  # one ban per position
         ):
             return ()
         if seq.draft_skip > 0:  # backing off after wholly rejected drafts
@@ -427,9 +428,12 @@ class Scheduler:
     ) -> tuple[FinishReason | None, int | None]:
         """Why ``seq`` stops at its ``num_output``-th output token, ``token_id``."""
         params = seq.sampling_params
-        if token_id in self.eos_token_ids and not params.ignore_eos:
+        # The first min_tokens tokens were sampled with the stop tokens masked
+        # (compute/logit_processors.py): none of them ends the request.
+        stops = num_output > params.min_tokens
+        if stops and token_id in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP, token_id
-        if token_id in params.stop_token_ids:
+        if stops and token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
         if self._ends_by_length(seq, num_output):
             return FinishReason.LENGTH, None

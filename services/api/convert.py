@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from compute.core.errors import FieldError
 from compute.core.messages import FinishReason, TokenLogprob
-from compute.core.sampling_params import SamplingParams
+from compute.core.sampling_params import SamplingParams, logit_bias_entries
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.pipeline.domain import (
     ChatMessage,
@@ -29,13 +29,15 @@ _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed",
 )  # fmt: skip
+_REPEATED_SAMPLING_FIELDS = ("logit_bias",)  # maps, converted by hand below
 _STOPPING_FIELDS = (
     "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+    "min_tokens",
 )  # fmt: skip
 # Where each domain field (SamplingParams, GenerateInput) lives in a GenerateRequest.
 _FIELD_PATHS = {
     "token_ids": "token_ids.ids",
-    **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
+    **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS + _REPEATED_SAMPLING_FIELDS},
     **{name: f"stopping.{name}" for name in _STOPPING_FIELDS},
 }
 # Where each prompt form's content sits in the request (for "must not be empty").
@@ -61,6 +63,7 @@ def to_input(request: pb.GenerateRequest, request_id: str) -> GenerateInput:
         **_prompt(request),
         params=sampling_params(request),
         priority=request.priority,
+        n=request.n or 1,
     )
 
 
@@ -99,6 +102,8 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
             stop_token_ids=tuple(stopping.stop_token_ids),
             ignore_eos=stopping.ignore_eos,
             include_stop_str_in_output=stopping.include_stop_str_in_output,
+            min_tokens=stopping.min_tokens,
+            logit_bias=logit_bias_entries(sampling.logit_bias),
             logprobs=request.logprobs or request.top_logprobs > 0,
             top_logprobs=request.top_logprobs,
         )
@@ -119,6 +124,7 @@ def chunk_to_pb(chunk: Chunk) -> pb.Chunk:
             )
             for i, lp in enumerate(chunk.logprobs)
         ],
+        sample_index=chunk.sample_index,
     )
 
 
@@ -150,6 +156,7 @@ def complete_to_pb(complete: Complete) -> pb.Complete:
             time_to_first_token_seconds=timing.time_to_first_token_seconds,
             total_seconds=timing.total_seconds,
         ),
+        sample_index=complete.sample_index,
     )
 
 

@@ -178,6 +178,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-pending", "pipeline.max_pending", "requests in flight, then rejected", int),
     Flag("--tokenize-workers", "pipeline.tokenize_workers", "tokenizer threads (stage 1)", int),
     Flag("--output-workers", "pipeline.output_workers", "detokenizer threads (stage 3)", int),
+    Flag("--max-n", "pipeline.max_n",
+         "most samples (n) one request may ask for; each sample counts in --max-pending", int),
     Flag("--log-level", "log.level", "log level", choices=LEVELS),
     Flag("--log-format", "log.format", "json, console or auto (console on a TTY)", choices=FORMATS),
     Flag("--otlp-endpoint", "tracing.otlp_endpoint",

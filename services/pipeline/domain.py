@@ -33,6 +33,7 @@ class GenerateInput:
     add_generation_prompt: bool = True
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
+    n: int = 1  # samples of the prompt (services/pipeline/samples.py); 1..PipelineConfig.max_n
 
 
 PROMPT_FORMS = ("prompt", "token_ids", "chat")
@@ -57,6 +58,7 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     tokens: tuple[str, ...] = ()  # text of each logprobs entry's token (same order)
     top_tokens: tuple[tuple[str, ...], ...] = ()  # text of each entry's alternatives
+    sample_index: int = 0  # which of the request's n samples (0 when n == 1)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Complete:
     matched_stop: str  # the stop string or "" (stop token ids are reported as "")
     usage: Usage
     timing: Timing
+    sample_index: int = 0  # which of the request's n samples ended (0 when n == 1)
 
 
 @dataclass(frozen=True)

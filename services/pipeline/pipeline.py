@@ -14,12 +14,14 @@ of growing queues. A consumer that stops early (aclose, cancellation) sends an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from compute.core.errors import FieldError
@@ -38,6 +40,7 @@ from services.pipeline.domain import (
 )
 from services.pipeline.output_stage import OutputStage
 from services.pipeline.request_state import RequestStream
+from services.pipeline.samples import Prepare, check_samples, generate_samples
 from services.pipeline.tokenize_stage import TokenizeStage
 from services.telemetry.metrics import NO_METRICS, Metrics
 
@@ -52,9 +55,10 @@ class PipelineConfig:
     max_pending: int = 256  # requests admitted and not finished; beyond -> RESOURCE_EXHAUSTED
     tokenize_workers: int = 2  # stage-1 threads
     output_workers: int = 1  # stage-3 threads (requests are sharded, so each stays ordered)
+    max_n: int = 16  # most samples (n) one request may ask for; each counts in max_pending
 
     def __post_init__(self) -> None:
-        for name in ("max_pending", "tokenize_workers", "output_workers"):
+        for name in ("max_pending", "tokenize_workers", "output_workers", "max_n"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -114,6 +118,7 @@ class Pipeline:
         self._engine = engine
         self._metrics = metrics
         self._admission = Admission(config.max_pending)
+        self._max_n = config.max_n
         self._inbox: queue.Queue[Inbound] = queue.Queue()
         self._stage1 = TokenizeStage(
             engine.tokenizer, engine.request_limits, config.tokenize_workers
@@ -152,14 +157,31 @@ class Pipeline:
         self._stage1.shutdown()
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk | Complete]:
-        """Chunk(s) then exactly one Complete; RequestError subclasses for failures."""
+        """Chunk(s) then exactly one Complete per sample (``inp.n``, each event with its
+        sample_index: services/pipeline/samples.py); RequestError subclasses for failures."""
+        try:
+            check_samples(inp, self._max_n)
+        except FieldError:
+            self._reject("invalid_argument")
+            raise
+        prepare = partial(self._prepare, inp)
+        one = partial(self._generate_one, inp.request_id)
+        events = one(prepare) if inp.n == 1 else generate_samples(inp, prepare, one)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+
+    async def _generate_one(
+        self, base_id: str, prepare: Prepare
+    ) -> AsyncIterator[Chunk | Complete]:
+        """One engine request's events; ``prepare(request_id, arrival)`` builds it."""
         arrival = time.monotonic()
         self._admit()
-        request_id = f"{inp.request_id}#{next(self._ids)}"
+        request_id = f"{base_id}#{next(self._ids)}"
         stream: RequestStream | None = None
         ended = False
         try:
-            req = await self._prepare(inp, request_id, arrival)
+            req = await prepare(request_id, arrival)
             stream = self._submit(req)
             while not ended:
                 event = await stream.get()
@@ -230,6 +252,7 @@ class Pipeline:
             )
 
     async def _prepare(self, inp: GenerateInput, request_id: str, arrival: float) -> AddRequest:
+        """Stage 1: the tokenized, checked request."""
         try:
             return await self._stage1.prepare(inp, request_id, arrival)
         except FieldError:

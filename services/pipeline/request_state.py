@@ -21,7 +21,7 @@ from compute.core.messages import AddRequest, FinishReason, RequestOutput
 from compute.tokenizer import Tokenizer
 from services.pipeline.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from services.pipeline.domain import Chunk, Complete, EngineFault, RequestError, Timing, Usage
-from services.pipeline.stop_strings import StopStringMatcher
+from services.pipeline.stop_strings import StopResult, StopStringMatcher
 
 Event = Chunk | Complete | RequestError
 
@@ -99,7 +99,7 @@ class RequestState:
         text = self.detok.add(self._text_ids(d))
         if d.finished:
             text += self.detok.flush()
-        result = self.stop.feed(text)
+        result = self._match_stops(text, d)
         emit = result.text
         if result.matched is None and d.finished:
             emit += self.stop.flush()
@@ -111,6 +111,13 @@ class RequestState:
             out.events.append(self._finish(d, now))
             out.done = True
         return out
+
+    def _match_stops(self, text: str, d: RequestOutput) -> StopResult:
+        """Stop strings are matched from the request's min_tokens-th output token on (as
+        vLLM): the text before passes through unheld, and is not searched later."""
+        if d.num_output_tokens < self.params.min_tokens:
+            return StopResult(text)
+        return self.stop.feed(text)
 
     def _text_ids(self, d: RequestOutput) -> tuple[int, ...]:
         # Like vLLM: the EOS/stop token that ended generation is not part of the text

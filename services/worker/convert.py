@@ -4,7 +4,9 @@ Sampling fields follow the protocol's own semantics: ``optional`` fields are uns
 when absent; plain proto3 scalars use 0 for "not set" exactly as vLLM's gRPC server
 reads them (top_p 0 -> 1.0, top_k 0 -> all, repetition_penalty 0 -> 1.0, n 0 -> 1).
 Anything headrace cannot do is refused with FieldError naming the field
-(``sampling_params.min_tokens``), never dropped. skip_special_tokens and
+(``sampling_params.prompt_logprobs``), never dropped. ``n`` > 1 is answered in the one
+stream, each chunk and GenerateComplete with its sample's ``index`` (one Complete per
+sample, as SMG collects them). skip_special_tokens and
 spaces_between_special_tokens only shape text, and the gateway detokenizes itself
 from the token ids this worker returns, so they do not change what is sent back.
 """
@@ -14,14 +16,14 @@ from __future__ import annotations
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from compute.core.errors import FieldError
-from compute.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from compute.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, logit_bias_entries
 from services.api.convert import MAX_REQUEST_ID_CHARS
 from services.pipeline.domain import Chunk, Complete, GenerateInput, prompt_form
 
 SP = "sampling_params"
 # Where the pipeline's domain field names live in a vLLM GenerateRequest.
 _INPUT_PATHS = {"token_ids": "tokenized.input_ids", "prompt": "text"}
-_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {"logprobs"}
+_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {"logprobs", "n"}
 # Fields of GenerateRequest headrace has no engine for: set -> INVALID_ARGUMENT.
 _UNSUPPORTED_REQUEST = ("kv_transfer_params", "mm_inputs", "media_refs", "kv_transfer_params_json")
 
@@ -40,7 +42,10 @@ def to_input(request: pb.GenerateRequest) -> GenerateInput:
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise FieldError("data_parallel_rank", "headrace runs one data-parallel rank (0)")
     return GenerateInput(
-        request_id=request.request_id, **_prompt(request), params=sampling_params(request)
+        request_id=request.request_id,
+        **_prompt(request),
+        params=sampling_params(request),
+        n=request.sampling_params.n or 1,  # 0 = unset = one sample, as vLLM reads it
     )
 
 
@@ -73,6 +78,8 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         include_stop_str_in_output=sp.include_stop_str_in_output,
+        min_tokens=sp.min_tokens,
+        logit_bias=logit_bias_entries(sp.logit_bias),
         **_logprobs(sp),
     )
     try:
@@ -90,14 +97,8 @@ def request_field(field: str) -> str:
 
 
 def _refuse_unsupported(sp: pb.SamplingParams) -> None:
-    if sp.min_tokens:
-        raise FieldError(f"{SP}.min_tokens", "not supported by headrace (must be 0)")
-    if sp.n > 1:
-        raise FieldError(f"{SP}.n", "headrace returns one sample per request (n must be 0 or 1)")
     if sp.HasField("prompt_logprobs"):
         raise FieldError(f"{SP}.prompt_logprobs", "not supported by headrace")
-    if sp.logit_bias:
-        raise FieldError(f"{SP}.logit_bias", "not supported by headrace")
     if sp.HasField("truncate_prompt_tokens"):
         raise FieldError(f"{SP}.truncate_prompt_tokens", "not supported by headrace")
     constraint = sp.WhichOneof("constraint")
@@ -138,6 +139,7 @@ def chunk_to_pb(chunk: Chunk, prompt_tokens: int, completion_tokens: int) -> pb.
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             output_logprobs=output_logprobs(chunk.logprobs),
+            index=chunk.sample_index,
         )
     )
 
@@ -153,16 +155,20 @@ def complete_to_pb(
         completion_tokens=complete.usage.completion_tokens,
         cached_tokens=complete.usage.cached_prompt_tokens,
         output_logprobs=output_logprobs(logprobs or ()),
+        index=complete.sample_index,
     )
     if complete.matched_stop:
         done.matched_stop_str = complete.matched_stop
     return pb.GenerateResponse(complete=done)
 
 
-def aborted_pb(prompt_tokens: int, completion_tokens: int) -> pb.GenerateResponse:
-    """What an Abort RPC ends a stream with (vLLM's finish_reason "abort")."""
+def aborted_pb(prompt_tokens: int, completion_tokens: int, index: int = 0) -> pb.GenerateResponse:
+    """What an Abort RPC ends a sample's stream with (vLLM's finish_reason "abort")."""
     return pb.GenerateResponse(
         complete=pb.GenerateComplete(
-            finish_reason="abort", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+            finish_reason="abort",
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            index=index,
         )
     )

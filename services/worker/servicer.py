@@ -93,8 +93,10 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         self, inp: GenerateInput, stream: bool, aborted: asyncio.Event, trace: RequestTrace
     ) -> AsyncIterator[pb.GenerateResponse]:
         prompt_tokens = len(inp.token_ids or ())
-        sent: list[int] = []  # streamed: all tokens so far; unary: held for the Complete
-        logprobs: list = []
+        # Per sample (n > 1: the ``index`` of each message): streamed, all tokens so far;
+        # unary, held for its Complete.
+        sent: dict[int, list[int]] = {i: [] for i in range(inp.n)}
+        logprobs: dict[int, list] = {i: [] for i in range(inp.n)}
         # Inner aclosing first: it stops reading ``events`` before the outer one closes it.
         # The pipeline names domain fields; logged names them by this protocol's paths.
         async with (
@@ -106,16 +108,19 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
             async for event in guarded:
                 if event is None:  # Abort(request_ids) named this request
                     log.info("request aborted by the gateway", request_id=inp.request_id)
-                    yield convert.aborted_pb(prompt_tokens, len(sent))
+                    for i in sorted(sent):  # every sample not complete yet
+                        yield convert.aborted_pb(prompt_tokens, len(sent[i]), i)
                     return
+                i = event.sample_index
                 if isinstance(event, Chunk):
-                    sent.extend(event.token_ids)
+                    sent[i].extend(event.token_ids)
                     if stream:
-                        yield convert.chunk_to_pb(event, prompt_tokens, len(sent))
+                        yield convert.chunk_to_pb(event, prompt_tokens, len(sent[i]))
                     else:
-                        logprobs.extend(event.logprobs)
+                        logprobs[i].extend(event.logprobs)
                 elif isinstance(event, Complete):
-                    yield convert.complete_to_pb(event, [] if stream else sent, logprobs)
+                    done = sent.pop(i)
+                    yield convert.complete_to_pb(event, [] if stream else done, logprobs.pop(i))
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

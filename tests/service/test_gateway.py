@@ -110,6 +110,55 @@ def test_stop_strings_end_the_text_as_in_headrace_v1(stack, sdk) -> None:
     assert answer.choices[0].finish_reason == "stop" and "Paris" not in expected
 
 
+def test_n_3_gives_three_choices(stack, sdk) -> None:
+    api, model = sdk
+    messages = [{"role": "user", "content": "Name a colour."}]
+    answer = api.chat.completions.create(
+        model=model, messages=messages, n=3, temperature=1.0, seed=5, max_tokens=8
+    )
+    assert sorted(c.index for c in answer.choices) == [0, 1, 2]
+    assert all(c.message.content for c in answer.choices)
+    assert answer.usage.completion_tokens >= 3  # the three samples' tokens
+    completion = api.completions.create(
+        model=model, prompt=PROMPT, n=3, temperature=1.0, seed=5, max_tokens=6
+    )
+    assert sorted(c.index for c in completion.choices) == [0, 1, 2]
+    texts = {c.text for c in completion.choices}
+    assert len(texts) > 1  # three samples, each its own stream (seed + index)
+
+
+def test_n_3_streamed_carries_each_choice_index(stack, sdk) -> None:
+    api, model = sdk
+    stream = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": CHAT}], n=3, temperature=0,
+        max_tokens=8, stream=True,
+    )  # fmt: skip
+    texts: dict[int, str] = {}
+    finished = set()
+    for event in stream:
+        for choice in event.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert sorted(texts) == [0, 1, 2] and finished == {0, 1, 2}
+    assert len(set(texts.values())) == 1 and "Paris" in texts[0]  # greedy: the same answer
+
+
+def test_min_tokens_on_completions_reaches_the_worker(stack, sdk) -> None:
+    # SMG 1.13 forwards min_tokens from /v1/completions (not from chat, nor logit_bias:
+    # those are shown over headrace.v1 in test_sampling_api.py).
+    api, model = sdk
+    answered = (
+        "<|im_start|>user\nWhat is 2+2? Answer with one digit.<|im_end|>\n<|im_start|>assistant\n4"
+    )
+    plain = api.completions.create(model=model, prompt=answered, temperature=0, max_tokens=10)
+    assert plain.usage.completion_tokens == 1  # EOS at once
+    held = api.completions.create(
+        model=model, prompt=answered, temperature=0, max_tokens=10, extra_body={"min_tokens": 6}
+    )
+    assert held.usage.completion_tokens >= 6
+
+
 def test_requests_land_on_both_replicas(stack, sdk) -> None:
     _, replicas, _ = stack
     api, model = sdk

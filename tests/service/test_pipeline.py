@@ -110,6 +110,16 @@ def test_include_stop_str_in_output(engine: FakeEngine) -> None:
     assert done.matched_stop == "STOP"
 
 
+def test_stop_strings_wait_for_min_tokens(engine: FakeEngine, tok: Tokenizer) -> None:
+    n = len(engine.script)
+    past_stop = len(tok.encode(SCRIPT_TEXT.split(" here")[0])) + 1  # " STOP" is before it
+    with running(engine) as pipeline:
+        params = dict(max_tokens=n, stop=(" STOP", " more"), min_tokens=past_stop)
+        chunks, done = asyncio.run(collect(pipeline, request(**params)))
+    assert "".join(c.text for c in chunks) == SCRIPT_TEXT.split(" more")[0]
+    assert done.finish_reason == "stop" and done.matched_stop == " more"
+
+
 def test_aclose_mid_stream_aborts_in_the_engine(engine: FakeEngine) -> None:
     engine.step_delay = 0.005
 

@@ -67,6 +67,43 @@ def test_unary_returns_every_token_in_the_complete(served: RunningServer) -> Non
     assert list(done.output_ids) == served.engine.tokenizer.encode(SCRIPT_TEXT)[:4]
 
 
+def test_n_samples_answer_in_one_stream_with_their_index(served: RunningServer) -> None:
+    expected = served.engine.tokenizer.encode(SCRIPT_TEXT)[:4]
+    streamed = list(_stub(served).Generate(_request(n=3, max_tokens=4), timeout=TIMEOUT))
+    completes = [r.complete for r in streamed if r.HasField("complete")]
+    assert sorted(c.index for c in completes) == [0, 1, 2]
+    assert all(c.completion_tokens == 4 for c in completes)
+    for i in range(3):
+        ids = [
+            t
+            for r in streamed
+            if r.HasField("chunk") and r.chunk.index == i
+            for t in r.chunk.token_ids
+        ]
+        assert ids == expected
+    unary = list(_stub(served).Generate(_request(n=2, max_tokens=4, stream=False), timeout=TIMEOUT))
+    assert sorted(r.complete.index for r in unary) == [0, 1]
+    assert all(list(r.complete.output_ids) == expected for r in unary)
+
+
+def test_logit_bias_and_min_tokens_reach_the_sampling_params() -> None:
+    params = sampling_params(_request(logit_bias={9: -100.0, 3: 2.5}, min_tokens=4))
+    assert params.logit_bias == ((3, 2.5), (9, -100.0))
+    assert params.min_tokens == 4
+
+
+def test_abort_ends_every_sample(serve) -> None:
+    running = serve(fake_engine(step_delay=0.01))
+    stub = _stub(running)
+    stream = stub.Generate(_request("gw-n", n=2, max_tokens=1000), timeout=TIMEOUT)
+    next(stream)
+    stub.Abort(pb.AbortRequest(request_ids=["gw-n"]), timeout=TIMEOUT)
+    rest = [r.complete for r in stream if r.HasField("complete")]
+    assert sorted((c.index, c.finish_reason) for c in rest) == [(0, "abort"), (1, "abort")]
+    wait_until(lambda: running.pipeline.num_pending == 0 and not running.engine.has_unfinished())
+    assert sum(r.startswith("gw-n#") for r in running.engine.aborted) == 2
+
+
 def test_stop_string_is_reported_as_matched(served: RunningServer) -> None:
     responses = list(_stub(served).Generate(_request(stop=["fox"]), timeout=TIMEOUT))
     done = responses[-1].complete
@@ -85,10 +122,12 @@ def test_protocol_defaults_and_optional_fields() -> None:
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
-        (_request(min_tokens=3), "sampling_params.min_tokens"),
-        (_request(n=2), "sampling_params.n"),
+        (_request(min_tokens=3, max_tokens=2), "sampling_params.min_tokens"),
+        (_request(n=1000), "sampling_params.n"),
         (_request(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
-        (_request(logit_bias={5: 1.0}), "sampling_params.logit_bias"),
+        (_request(logit_bias={5: 100.5}), "sampling_params.logit_bias"),
+        (_request(logit_bias={-1: 1.0}), "sampling_params.logit_bias"),
+        (_request(logit_bias={60000: 1.0}), "sampling_params.logit_bias"),
         (_request(truncate_prompt_tokens=4), "sampling_params.truncate_prompt_tokens"),
         (_request(json_schema="{}"), "sampling_params.json_schema"),
         (_request(regex="a+"), "sampling_params.regex"),

@@ -62,7 +62,8 @@ class GenerationServiceServicer:
     """
 
     def Generate(self, request, context):
-        """One generation, streamed: zero or more chunks, then exactly one `complete`.
+        """One generation, streamed: zero or more chunks, then exactly one `complete`
+        (with `n` > 1: one `complete` per sample, every message tagged with its sample).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
