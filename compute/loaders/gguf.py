@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from compute.core.config import ModelConfig
 from compute.loaders.base import LoadedModel, ModelLoadError, check_weights
+from compute.loaders.memory_check import check_fits
 from compute.tokenizer import Tokenizer, gguf_field
 from kernels.log import get_logger
 from kernels.quant import QuantizedWeight
@@ -96,6 +97,7 @@ def load_gguf(
     except Exception as err:  # tokenizers reports bad vocabularies as plain Exception
         raise ModelLoadError(f"{path}: cannot build the tokenizer: {err}") from err
     config = _config(reader, path, arch, tokenizer)
+    check_fits(_weights_bytes(reader, dtype, quantized), str(path))
     weights = _read_weights(reader, config, path, dtype, device, progress, quantized)
     check_weights(weights, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
@@ -273,6 +275,21 @@ def _kept(tensor: Any) -> QuantizedWeight:
     return QuantizedWeight.from_gguf(_KEPT_FORMATS[tensor.tensor_type], blocks, cols)
 
 
+def _keeps(tensor: Any, name: str | None, quantized: bool) -> bool:
+    """Whether the loader keeps this tensor in its blocks (else: dense)."""
+    matrix = len(tensor.shape) == 2 or ".mlp.experts." in (name or "")  # experts: 3-D
+    return quantized and tensor.tensor_type in _KEPT_FORMATS and matrix
+
+
+def _weights_bytes(reader: gguf.GGUFReader, dtype: torch.dtype, quantized: bool) -> int:
+    """Bytes the loaded weights will take: kept blocks as in the file, the rest in dtype."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return sum(
+        int(t.n_bytes) if _keeps(t, _hf_name(t.name), quantized) else int(t.n_elements) * size
+        for t in reader.tensors
+    )
+
+
 def _read_weights(
     reader: gguf.GGUFReader,
     config: ModelConfig,
@@ -295,8 +312,7 @@ def _read_weights(
                 f"{path}: unexpected tensor {tensor.name} (a {config.architecture} feature "
                 "headrace does not support?)"
             )
-        matrix = len(tensor.shape) == 2 or ".mlp.experts." in name  # experts: stacked, 3-D
-        keep = quantized and tensor.tensor_type in _KEPT_FORMATS and matrix
+        keep = _keeps(tensor, name, quantized)
         if quantized and not keep and tensor.tensor_type not in _DENSE_TYPES:
             unsupported.setdefault(tensor.tensor_type.name, []).append(tensor.name)
         weight = _kept(tensor) if keep else torch.from_numpy(_dequantize(tensor, path))

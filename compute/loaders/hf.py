@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from compute.core.config import ROPE_TYPES, ModelConfig
 from compute.loaders.base import PICKLE_SUFFIXES, LoadedModel, ModelLoadError, check_weights
+from compute.loaders.memory_check import check_fits
 from compute.tokenizer import Tokenizer
 from kernels.log import get_logger
 
@@ -72,6 +73,7 @@ def load_hf_dir(
     files = _weight_files(path)  # first, so a pickle-only checkpoint is refused up front
     tokenizer = _tokenizer(path)
     config = _config(raw, path, tokenizer)
+    check_fits(_weights_bytes(files, dtype), str(path))
     weights = _read_weights(files, config, dtype, device, progress)
     check_weights(weights, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
@@ -272,6 +274,22 @@ def _weight_files(path: Path) -> list[Path]:
             "because unpickling runs arbitrary code. Convert the checkpoint to safetensors."
         )
     raise ModelLoadError(f"{path}: no *.safetensors weight files")
+
+
+def _weights_bytes(files: list[Path], dtype: torch.dtype) -> int:
+    """Bytes the weights will take in `dtype`, from the safetensors headers alone."""
+    size, total = torch.empty(0, dtype=dtype).element_size(), 0
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as shard:
+                for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    numel = 1
+                    for n in shard.get_slice(name).get_shape():
+                        numel *= n
+                    total += numel * size
+        except (SafetensorError, OSError) as err:
+            raise ModelLoadError(f"{file}: unreadable safetensors file: {err}") from err
+    return total
 
 
 def _read_weights(
