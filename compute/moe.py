@@ -52,6 +52,14 @@ class MoE:
         self.router = router.contiguous()
         self.experts = experts
         self.top_k, self.normalize, self.native = top_k, normalize, native
+        self.expert_runs = 0  # experts run so far, each once per step it was chosen in
+        # Every expert in one kernel call per step (kernels/csrc/cpu/moe.cpp), when each
+        # projection is one block format; else (dense weights, stacked formats) per op.
+        self.table = cpu.moe_table(experts) if native else None
+        self.int8 = bool(experts and experts[0].gate_up.int8)
+        self.inter = 0
+        if self.table is not None:
+            self.inter = experts[0].down.quantized.cols
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k] int64) of each token."""
@@ -71,6 +79,9 @@ class MoE:
     def __call__(self, x: torch.Tensor, check: bool = True) -> torch.Tensor:
         """x [T, H] (the normed hidden states) -> the MLP's output [T, H]."""
         weights, ids = self.route(x)
+        if self.table is not None:
+            self.expert_runs += int(torch.unique(ids).numel())
+            return cpu.moe_experts(self.table, self.int8, x, ids, weights, self.inter, check)
         out = torch.zeros_like(x)
         # Tokens grouped by expert, in ascending expert order (a stable sort keeps each
         # expert's tokens in batch order).
@@ -85,6 +96,7 @@ class MoE:
             picks = order[start : start + count]
             rows = tokens[start : start + count]
             start += count
+            self.expert_runs += 1
             y = self._expert(self.experts[e], x.index_select(0, rows), check)
             y.mul_(weights.reshape(-1).index_select(0, picks).unsqueeze(1))
             out.index_add_(0, rows, y)
