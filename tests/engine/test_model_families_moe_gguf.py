@@ -150,6 +150,12 @@ def test_q8_0_moe_gguf_quantized_greedy_equals_transformers(converted) -> None:
     engine = _quantized_parity(model, q8, prompts)
     moe = engine.runner.model.layers[0].moe
     assert moe is not None and moe.experts[0].gate_up.quantized.format.name == "q8_0"
+    assert moe.table is not None  # every expert of a step in one kernel call
+    # int8 activations (approximate, so not compared with transformers): still the same
+    # tokens alone as batched.
+    int8 = engine_for(q8, "quantized-int8")
+    batched = [out.token_ids for out in int8.generate(prompts, GREEDY)]
+    assert [int8.generate([ids], GREEDY)[0].token_ids for ids in prompts] == batched
 
 
 @pytest.fixture(scope="module", params=list(GGUF_FAMILIES))
