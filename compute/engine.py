@@ -174,6 +174,11 @@ class Engine:
             return None
         if wanted is False:
             return None
+        if self.runner.model.config.num_experts:  # experts picked on the host (compute/moe.py)
+            if wanted:
+                raise ValueError("cuda_graphs: mixture-of-experts models run eagerly")
+            log.info("cuda graphs: off for a mixture-of-experts model (eager steps)")
+            return None
         return capture_or_eager(
             lambda: DecodeGraphs(
                 self.runner.model,

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from compute import rope
 from compute.core.config import ModelConfig
+from compute.moe import Expert, MoE
 from kernels import ops
 from kernels.cpu import launch as cpu
 from kernels.metadata import AttentionMetadata
@@ -86,10 +87,11 @@ class LayerWeights:
     qkv: Projection  # [q_size + 2 * kv_size, H]
     o_proj: Projection  # [H, q_size]
     post_norm: torch.Tensor  # [H]
-    gate_up: Projection  # [2 * I, H]
-    down: Projection  # [H, I]
+    gate_up: Projection | None  # [2 * I, H]; None on a mixture-of-experts layer
+    down: Projection | None  # [H, I]
     q_norm: torch.Tensor | None = None  # [D], Qwen3's RMSNorm of each q head before RoPE
     k_norm: torch.Tensor | None = None  # [D], the same for each k head
+    moe: MoE | None = None  # the mixture-of-experts MLP (compute/moe.py) instead of gate_up/down
 
 
 class RotaryEmbedding:
@@ -136,7 +138,9 @@ class LlamaModel:
         self.lm_head = Projection(weights.get("lm_head.weight", embed), int8=int8)
         tied = "lm_head.weight" not in weights and self.lm_head.quantized is not None
         self.embed_tokens = self.lm_head.quantized if tied else embed  # one copy when tied
-        self.layers = [_fuse_layer(weights, i, config, int8) for i in range(config.num_layers)]
+        self.layers = [
+            _fuse_layer(weights, i, config, int8, native) for i in range(config.num_layers)
+        ]
         self.rope = RotaryEmbedding(
             rope.inv_freq(config),
             config.max_position_embeddings,
@@ -153,6 +157,7 @@ class LlamaModel:
         self.fused_layers = (
             native
             and not config.qk_norm
+            and not config.num_experts  # the experts run per op (compute/moe.py)
             and all(
                 p.quantized is not None
                 for layer in self.layers
@@ -246,6 +251,8 @@ class LlamaModel:
             part.copy_(weight * xf.to(part.dtype))
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights, check: bool = True) -> torch.Tensor:
+        if layer.moe is not None:
+            return layer.moe(x, check)
         gate_up = layer.gate_up(x, check)
         if self.native:
             return layer.down(cpu.silu_mul(gate_up, check), check)
@@ -268,7 +275,9 @@ class LlamaModel:
         return weight * xf.to(x.dtype)
 
 
-def _fuse_layer(weights: dict, i: int, cfg: ModelConfig, int8: bool) -> LayerWeights:
+def _fuse_layer(
+    weights: dict, i: int, cfg: ModelConfig, int8: bool, native: bool = False
+) -> LayerWeights:
     p = f"model.layers.{i}."
 
     def w(name: str):
@@ -282,6 +291,26 @@ def _fuse_layer(weights: dict, i: int, cfg: ModelConfig, int8: bool) -> LayerWei
     qk_norms = {}
     if cfg.qk_norm:
         qk_norms = {"q_norm": w("self_attn.q_norm.weight"), "k_norm": w("self_attn.k_norm.weight")}
+    mlp: dict = {"gate_up": None, "down": None}
+    if cfg.is_moe_layer(i):
+        experts = [
+            Expert(
+                gate_up=Projection(
+                    fuse([w(f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up")], int8),
+                    int8=int8,
+                ),
+                down=Projection(w(f"mlp.experts.{e}.down_proj.weight"), int8=int8),
+            )
+            for e in range(cfg.num_experts)
+        ]
+        mlp["moe"] = MoE(
+            w("mlp.gate.weight"), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, native
+        )
+    else:
+        mlp["gate_up"] = Projection(
+            fuse([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], int8), int8=int8
+        )
+        mlp["down"] = Projection(w("mlp.down_proj.weight"), int8=int8)
     return LayerWeights(
         input_norm=w("input_layernorm.weight"),
         qkv=Projection(
@@ -289,9 +318,6 @@ def _fuse_layer(weights: dict, i: int, cfg: ModelConfig, int8: bool) -> LayerWei
         ),
         o_proj=Projection(w("self_attn.o_proj.weight"), int8=int8),
         post_norm=w("post_attention_layernorm.weight"),
-        gate_up=Projection(
-            fuse([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], int8), int8=int8
-        ),
-        down=Projection(w("mlp.down_proj.weight"), int8=int8),
+        **mlp,
         **qk_norms,
     )

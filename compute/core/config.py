@@ -46,6 +46,17 @@ class ModelConfig:
     # not mask by window, so the engine serves such a model only within max_model_len <=
     # sliding_window, where the window changes nothing (compute/engine.py).
     sliding_window: int | None = None
+    # Mixture of experts (compute/moe.py): 0 experts = a dense MLP on every layer. Otherwise
+    # each token's MLP is the num_experts_per_tok experts its router scores highest (of
+    # num_experts SwiGLU MLPs of moe_intermediate_size), weighted by their softmax
+    # probabilities, renormalised to sum to 1 when norm_topk_prob; the layers listed in
+    # dense_layers keep a dense MLP of intermediate_size instead (Qwen3-MoE's
+    # mlp_only_layers and decoder_sparse_step).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -78,6 +89,13 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.num_experts and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ValueError(
+                f"mixture of experts: {self.num_experts_per_tok} experts per token of "
+                f"{self.num_experts}, moe_intermediate_size {self.moe_intermediate_size}"
+            )
 
     @property
     def q_size(self) -> int:
@@ -86,6 +104,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a mixture-of-experts MLP."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
 
 # The default CPU KV cache holds this many tokens per running sequence: the short chats a

@@ -49,6 +49,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.k_proj": (config.kv_size, hidden),
         "self_attn.v_proj": (config.kv_size, hidden),
         "self_attn.o_proj": (hidden, config.q_size),
+    }
+    mlp = {
         "mlp.gate_proj": (ffn, hidden),
         "mlp.up_proj": (ffn, hidden),
         "mlp.down_proj": (hidden, ffn),
@@ -57,7 +59,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         prefix = f"model.layers.{i}."
         shapes[prefix + "input_layernorm.weight"] = (hidden,)
         shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
-        for name, shape in projections.items():
+        layer_mlp = moe_shapes(config) if config.is_moe_layer(i) else mlp
+        for name, shape in {**projections, **layer_mlp}.items():
             shapes[f"{prefix}{name}.weight"] = shape
         if config.qk_norm:
             shapes[prefix + "self_attn.q_norm.weight"] = (config.head_dim,)
@@ -66,6 +69,18 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[prefix + "self_attn.q_proj.bias"] = (config.q_size,)
             shapes[prefix + "self_attn.k_proj.bias"] = (config.kv_size,)
             shapes[prefix + "self_attn.v_proj.bias"] = (config.kv_size,)
+    return shapes
+
+
+def moe_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A mixture-of-experts layer's tensors (under model.layers.N., without .weight): the
+    router (mlp.gate) and each expert's SwiGLU MLP, HF Qwen3-MoE's per-expert names."""
+    hidden, ffn = config.hidden_size, config.moe_intermediate_size
+    shapes = {"mlp.gate": (config.num_experts, hidden)}
+    for e in range(config.num_experts):
+        shapes[f"mlp.experts.{e}.gate_proj"] = (ffn, hidden)
+        shapes[f"mlp.experts.{e}.up_proj"] = (ffn, hidden)
+        shapes[f"mlp.experts.{e}.down_proj"] = (hidden, ffn)
     return shapes
 
 

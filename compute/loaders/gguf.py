@@ -21,13 +21,14 @@ from tqdm import tqdm
 
 from compute.core.config import ModelConfig
 from compute.loaders.base import LoadedModel, ModelLoadError, check_weights
+from compute.loaders.memory_check import check_fits
 from compute.tokenizer import Tokenizer, gguf_field
 from kernels.log import get_logger
 from kernels.quant import QuantizedWeight
 
 log = get_logger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3moe")
 # llama.cpp's converter permutes Q/K rows of these for its rotary layout (see _unpermute).
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -49,7 +50,13 @@ _BLOCK_NAMES = {
     "attn_q_norm": "self_attn.q_norm",  # Qwen3
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3: fused, split at load (_split_fused)
+    "ffn_gate_inp": "mlp.gate",  # mixture of experts: the router
+    # The experts, stacked [E, rows, cols]: split per expert at load (_split_experts).
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp")
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ RoPE scaling: llama.cpp's per-frequency divisors, read into the config.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -92,6 +99,7 @@ def load_gguf(
     except Exception as err:  # tokenizers reports bad vocabularies as plain Exception
         raise ModelLoadError(f"{path}: cannot build the tokenizer: {err}") from err
     config = _config(reader, path, arch, tokenizer)
+    check_fits(_weights_bytes(reader, dtype, quantized), str(path))
     weights = _read_weights(reader, config, path, dtype, device, progress, quantized)
     check_weights(weights, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
@@ -123,12 +131,6 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
     hidden = _required(reader, path, f"{arch}.embedding_length")
     num_heads = _required(reader, path, f"{arch}.attention.head_count")
-    experts = gguf_field(reader, f"{arch}.expert_count", 0)
-    if experts:
-        raise ModelLoadError(
-            f"{path}: {arch}.expert_count: {experts} experts (mixture of experts) are not "
-            "supported; headrace cannot serve it"
-        )
     head_dim = gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads)
     max_positions = gguf_field(reader, f"{arch}.context_length", 4096)
     window = gguf_field(reader, f"{arch}.attention.sliding_window")
@@ -153,6 +155,7 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tokenizer.eos_token_ids,
             **_rope(reader, path, arch, head_dim, names),
+            **_moe(reader, path, arch, names),
         )
     except ValueError as err:
         raise ModelLoadError(f"{path}: inconsistent metadata: {err}") from err
@@ -183,6 +186,40 @@ def _rope(
         factors = _dequantize(names[_ROPE_FREQS], path).reshape(-1)
         fields["rope_freq_factors"] = tuple(float(f) for f in factors)
     return fields
+
+
+def _moe(reader: gguf.GGUFReader, path: Path, arch: str, names: dict[str, Any]) -> dict:
+    """ModelConfig's mixture-of-experts fields ({} for a dense file). Expert tensors without
+    the expert metadata are refused: such a file is never served as a dense model."""
+    experts = int(gguf_field(reader, f"{arch}.expert_count", 0) or 0)
+    carrying = sorted(n for n in names if n.split(".")[-2] in _EXPERT_TENSORS)
+    if not experts:
+        if carrying:
+            raise ModelLoadError(
+                f"{path}: expert tensors ({carrying[0]}, ...) without {arch}.expert_count: a "
+                "mixture of experts without its metadata; headrace cannot serve it"
+            )
+        return {}
+    if not any(n.endswith(".ffn_gate_inp.weight") for n in names):
+        raise ModelLoadError(
+            f"{path}: {arch}.expert_count: {experts} experts but no expert tensors "
+            "(ffn_gate_inp, ffn_*_exps); headrace cannot serve it"
+        )
+    used = _required(reader, path, f"{arch}.expert_used_count")
+    ffn_key = f"{arch}.expert_feed_forward_length"
+    ffn = gguf_field(reader, ffn_key) or _required(reader, path, f"{arch}.feed_forward_length")
+    layers = _required(reader, path, f"{arch}.block_count")
+    # llama.cpp renormalises the top-k weights of every family served here (Mixtral's
+    # `llama`, qwen3moe) unless the file says otherwise.
+    norm = bool(gguf_field(reader, f"{arch}.expert_weights_norm", True))
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(used),
+        "moe_intermediate_size": int(ffn),
+        "norm_topk_prob": norm,
+        "dense_layers": dense,
+    }
 
 
 def _required(reader: gguf.GGUFReader, path: Path, key: str) -> int:
@@ -233,9 +270,26 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
 
 
 def _kept(tensor: Any) -> QuantizedWeight:
-    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # ggml lists dims innermost first
+    """The tensor's blocks; a stacked [E, rows, cols] one as E * rows rows."""
+    cols = int(tensor.shape[0])  # ggml lists dims innermost first
+    rows = int(np.prod([int(n) for n in tensor.shape[1:]]))
     blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(rows, -1)
     return QuantizedWeight.from_gguf(_KEPT_FORMATS[tensor.tensor_type], blocks, cols)
+
+
+def _keeps(tensor: Any, name: str | None, quantized: bool) -> bool:
+    """Whether the loader keeps this tensor in its blocks (else: dense)."""
+    matrix = len(tensor.shape) == 2 or ".mlp.experts." in (name or "")  # experts: 3-D
+    return quantized and tensor.tensor_type in _KEPT_FORMATS and matrix
+
+
+def _weights_bytes(reader: gguf.GGUFReader, dtype: torch.dtype, quantized: bool) -> int:
+    """Bytes the loaded weights will take: kept blocks as in the file, the rest in dtype."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return sum(
+        int(t.n_bytes) if _keeps(t, _hf_name(t.name), quantized) else int(t.n_elements) * size
+        for t in reader.tensors
+    )
 
 
 def _read_weights(
@@ -260,7 +314,7 @@ def _read_weights(
                 f"{path}: unexpected tensor {tensor.name} (a {config.architecture} feature "
                 "headrace does not support?)"
             )
-        keep = quantized and tensor.tensor_type in _KEPT_FORMATS and len(tensor.shape) == 2
+        keep = _keeps(tensor, name, quantized)
         if quantized and not keep and tensor.tensor_type not in _DENSE_TYPES:
             unsupported.setdefault(tensor.tensor_type.name, []).append(tensor.name)
         weight = _kept(tensor) if keep else torch.from_numpy(_dequantize(tensor, path))
@@ -268,7 +322,12 @@ def _read_weights(
             weight = _unpermute(weight, config.num_heads)
         elif permuted and ".k_proj." in name:
             weight = _unpermute(weight, config.num_kv_heads)
-        for part, piece in _split_fused(name, weight, config).items():
+        pieces = (
+            _split_experts(name, weight, config)
+            if ".mlp.experts." in name
+            else _split_fused(name, weight, config)
+        )
+        for part, piece in pieces.items():
             weights[part] = piece if keep else piece.to(device=device, dtype=dtype)
     if unsupported:
         log.warning(
@@ -277,6 +336,28 @@ def _read_weights(
             tensors={kind: ", ".join(names) for kind, names in unsupported.items()},
         )
     return weights
+
+
+def _split_experts(name: str, weight: Any, config: ModelConfig) -> dict[str, Any]:
+    """A stacked expert tensor (ffn_{gate,up,down}_exps: [E, rows, cols], kept blocks as
+    E * rows rows) as one weight per expert, views of it: model.layers.N.mlp.experts.E.*."""
+    prefix, _, part = name.rpartition("experts.")
+    experts = config.num_experts
+    if isinstance(weight, QuantizedWeight):
+        rows = weight.rows // max(experts, 1)
+        if not experts or weight.rows != experts * rows:
+            return {name: weight}  # check_weights names it
+        pieces = [
+            QuantizedWeight(
+                weight.format, weight.data[e * rows : (e + 1) * rows], rows, weight.cols
+            )
+            for e in range(experts)
+        ]
+    else:
+        if weight.dim() != 3 or weight.shape[0] != experts:
+            return {name: weight}
+        pieces = list(weight)
+    return {f"{prefix}experts.{e}.{part}": piece for e, piece in enumerate(pieces)}
 
 
 def _split_fused(name: str, weight: Any, config: ModelConfig) -> dict[str, Any]:

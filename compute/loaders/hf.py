@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from compute.core.config import ROPE_TYPES, ModelConfig
 from compute.loaders.base import PICKLE_SUFFIXES, LoadedModel, ModelLoadError, check_weights
+from compute.loaders.memory_check import check_fits
 from compute.tokenizer import Tokenizer
 from kernels.log import get_logger
 
@@ -28,16 +29,37 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",  # mixture of experts (compute/moe.py)
+    "mixtral": "MixtralForCausalLM",
 }
 # Model types whose `sliding_window` applies to every layer whenever it is set; Qwen2/3 apply
 # it only with use_sliding_window, from layer max_window_layers on.
-_WINDOW_EVERYWHERE = ("mistral", "phi3")
+_WINDOW_EVERYWHERE = ("mistral", "phi3", "mixtral")
 # Phi-3 stores q|k|v and gate|up fused; split at load into the names every loader gives.
 _FUSED = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                   "self_attn.v_proj.weight"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }  # fmt: skip
+# Mixtral's expert names -> Qwen3-MoE's, which every loader gives (compute/loaders/base.py).
+_MIXTRAL_NAMES = (
+    (".block_sparse_moe.gate.", ".mlp.gate."),
+    (".block_sparse_moe.experts.", ".mlp.experts."),
+    (".w1.weight", ".gate_proj.weight"),
+    (".w3.weight", ".up_proj.weight"),
+    (".w2.weight", ".down_proj.weight"),
+)
+# Router settings of other MoE families that headrace does not implement (only softmax
+# over every expert, then top-k): refused when present with a non-default value.
+_ROUTER_SETTINGS = {
+    "shared_expert_intermediate_size": (None, 0),  # Qwen2-MoE's shared expert
+    "n_shared_experts": (None, 0),
+    "scoring_func": (None, "softmax"),
+    "topk_method": (None, "greedy"),
+    "n_group": (None, 1),
+    "topk_group": (None, 1),
+    "routed_scaling_factor": (None, 1.0),
+}
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_GLOBS = tuple(f"*{suffix}" for suffix in PICKLE_SUFFIXES)
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed buffers some old exports saved
@@ -51,6 +73,7 @@ def load_hf_dir(
     files = _weight_files(path)  # first, so a pickle-only checkpoint is refused up front
     tokenizer = _tokenizer(path)
     config = _config(raw, path, tokenizer)
+    check_fits(_weights_bytes(files, dtype), str(path))
     weights = _read_weights(files, config, dtype, device, progress)
     check_weights(weights, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
@@ -146,6 +169,35 @@ def _sliding_window(raw: dict[str, Any], model_type: str, num_layers: int) -> in
     return int(window) if raw.get("use_sliding_window") and first < num_layers else None
 
 
+def _moe(raw: dict[str, Any], path: Path, model_type: str, num_layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields ({} for a dense model); router settings
+    headrace does not honour are refused."""
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return {}
+    for key, defaults in _ROUTER_SETTINGS.items():
+        if raw.get(key) not in defaults:
+            raise _refuse(path, key, f"{raw[key]!r} (only a softmax top-k router, no shared "
+                          "experts)")  # fmt: skip
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if model_type == "mixtral":  # always renormalises its top-k; every layer sparse
+        ffn, norm, dense = int(raw["intermediate_size"]), True, ()
+    else:
+        ffn, norm = int(raw["moe_intermediate_size"]), bool(raw.get("norm_topk_prob", False))
+        step, only = int(raw.get("decoder_sparse_step", 1)), raw.get("mlp_only_layers") or []
+        dense = tuple(
+            i for i in range(num_layers) if i in only or experts == 0 or step <= 0 or (i + 1) % step
+        )
+    if experts == 0:
+        return {}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": ffn,
+        "norm_topk_prob": norm,
+        "dense_layers": dense,
+    }
+
+
 def _ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -186,11 +238,12 @@ def _config(raw: dict[str, Any], path: Path, tokenizer: Tokenizer) -> ModelConfi
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=window if window is not None and window < max_positions else None,
             bos_token_id=_ids(bos)[0] if _ids(bos) else None,
             eos_token_ids=_eos_ids(raw, path, tokenizer),
             **_rope(raw, path),
+            **_moe(raw, path, model_type, layers),
         )
     except ModelLoadError:
         raise
@@ -223,6 +276,22 @@ def _weight_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"{path}: no *.safetensors weight files")
 
 
+def _weights_bytes(files: list[Path], dtype: torch.dtype) -> int:
+    """Bytes the weights will take in `dtype`, from the safetensors headers alone."""
+    size, total = torch.empty(0, dtype=dtype).element_size(), 0
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as shard:
+                for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    numel = 1
+                    for n in shard.get_slice(name).get_shape():
+                        numel *= n
+                    total += numel * size
+        except (SafetensorError, OSError) as err:
+            raise ModelLoadError(f"{file}: unreadable safetensors file: {err}") from err
+    return total
+
+
 def _read_weights(
     files: list[Path],
     config: ModelConfig,
@@ -241,12 +310,42 @@ def _read_weights(
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue  # tied checkpoints sometimes store the copy too
                     tensor = shard.get_tensor(name).to(device=device, dtype=dtype)
-                    weights.update(_split_fused(name, tensor, config))
+                    name = _expert_name(name)
+                    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                        weights.update(_split_experts(name, tensor, config))
+                    else:
+                        weights.update(_split_fused(name, tensor, config))
                     bar.update()
         except (SafetensorError, OSError) as err:
             raise ModelLoadError(f"{file}: unreadable safetensors file: {err}") from err
     bar.close()
     return weights
+
+
+def _expert_name(name: str) -> str:
+    """Mixtral's MoE tensor names as Qwen3-MoE's (the names every loader gives)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    for old, new in _MIXTRAL_NAMES:
+        name = name.replace(old, new)
+    return name
+
+
+def _split_experts(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict:
+    """transformers 5's stacked experts (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) as one gate/up/down per expert; a misshapen one is left for check_weights."""
+    prefix = name.rpartition("experts.")[0] + "experts."
+    if tensor.dim() != 3 or tensor.shape[0] != config.num_experts:
+        return {name: tensor}
+    out = {}
+    for e, part in enumerate(tensor):
+        if name.endswith("gate_up_proj"):
+            gate, up = part.chunk(2)
+            out[f"{prefix}{e}.gate_proj.weight"] = gate.contiguous()
+            out[f"{prefix}{e}.up_proj.weight"] = up.contiguous()
+        else:
+            out[f"{prefix}{e}.down_proj.weight"] = part.contiguous()
+    return out
 
 
 def _split_fused(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:

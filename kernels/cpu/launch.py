@@ -36,6 +36,8 @@ _SIGNATURES = {
     "hr_paged_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I),
     "hr_rope_and_cache": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I),
     "hr_set_num_threads": (_I,),
+    # table, experts, int8, x, tokens, h, inter, top_k, ids, weights, out, four scratch buffers
+    "hr_moe_experts": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P),
     # layers .. eps, positions .. scale, six scratch buffers, the KV dtype
     "hr_decoder_layers": (_P, _I, _I, _P, _P, *[_I] * 6, _F, *[_P] * 7, _I, _I, _I, _F)
     + (*[_P] * 6, _I),
@@ -421,3 +423,50 @@ def decoder_layers(
             act.data_ptr(), KV_DTYPE_CODES[key_cache.dtype],
         )  # fmt: skip
     return x
+
+
+def moe_table(experts: list) -> Tensor | None:
+    """The int64 [E, 4] table hr_moe_experts reads (each expert's gate|up and down: block
+    pointer, format), or None when some projection is not a single block format (dense,
+    or a stack of formats): those run per op (compute/moe.py).
+
+    ``experts``: compute.moe.Expert objects, their projections in their kernel's layout."""
+    rows = []
+    for expert in experts:
+        row = []
+        for projection in (expert.gate_up, expert.down):
+            weight = projection.quantized
+            if weight is None or weight.parts or weight.tiled_layout != projection.int8:
+                return None
+            row += [weight.data.data_ptr(), weight.format.code]
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def moe_experts(
+    table: Tensor, int8: bool, x: Tensor, ids: Tensor, weights: Tensor, inter: int,
+    check: bool = True,
+) -> Tensor:  # fmt: skip
+    """x [T, H] -> [T, H]: each token's experts ``ids`` [T, k] (int64) run on it, their
+    outputs times ``weights`` [T, k] summed in ascending expert order
+    (kernels/csrc/cpu/moe.cpp); each expert some token chose is read once."""
+    tokens, h = x.shape
+    top_k = ids.shape[1]
+    if check:
+        _check("x", x, torch.float32, (tokens, h))
+        _check("ids", ids, torch.int64, (tokens, top_k))
+        _check("weights", weights, torch.float32, (tokens, top_k))
+        _check("table", table, torch.int64, (None, 4))
+        if tokens and not 0 <= int(ids.min()) <= int(ids.max()) < table.shape[0]:
+            raise ValueError(f"ids must be in [0, {table.shape[0]})")
+    out = torch.zeros(tokens, h, dtype=torch.float32)
+    if tokens:
+        # An expert runs on at most every token once.
+        xs, ys = torch.empty(tokens, h), torch.empty(tokens, h)
+        gate_up, act = torch.empty(tokens, 2 * inter), torch.empty(tokens, inter)
+        library().hr_moe_experts(
+            table.data_ptr(), table.shape[0], int(int8), x.data_ptr(), tokens, h, inter, top_k,
+            ids.data_ptr(), weights.data_ptr(), out.data_ptr(), xs.data_ptr(),
+            gate_up.data_ptr(), act.data_ptr(), ys.data_ptr(),
+        )  # fmt: skip
+    return out

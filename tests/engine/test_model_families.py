@@ -265,7 +265,7 @@ def test_both_rope_spellings_give_the_same_config(llama_dir: Path, tmp_path: Pat
     ("changes", "match"),
     [
         ({"model_type": "gemma3", "architectures": None}, r"unsupported architecture 'gemma3' "
-         r"\(supported: llama, mistral, qwen2, qwen3, phi3\)"),
+         r"\(supported: llama, mistral, qwen2, qwen3, phi3, qwen3_moe, mixtral\)"),
         ({"hidden_act": "gelu_pytorch_tanh"}, r"hidden_act: 'gelu_pytorch_tanh'"),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor: 0.5"),
         ({"rope_parameters": {"full_attention": {}, "sliding_attention": {}}},

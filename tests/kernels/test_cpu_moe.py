@@ -1,0 +1,92 @@
+"""The mixture-of-experts kernel (kernels/csrc/cpu/moe.cpp): every expert of a step in one
+call, bit-identical to compute/moe.py's per-op path (the same kernels in the same order),
+each token's output the same bits alone as in any batch, in every block format the
+quantized linear kernels read, exact and int8."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from compute.model import Projection, fuse
+from compute.moe import Expert, MoE
+from kernels.cpu import launch as cpu
+from kernels.quant import FORMATS, QuantizedWeight
+from tests.kernels.test_cpu_kquants import HALVES, random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
+
+H, INTER, EXPERTS, TOP_K = 256, 256, 8, 3
+
+
+def _weight(fmt: str, rows: int, cols: int, seed: int) -> QuantizedWeight:
+    if fmt in HALVES:  # the formats kept in file order: random valid blocks
+        return QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, cols, seed=seed), cols)
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
+    blocks = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, fmt.upper()))
+    return QuantizedWeight.from_gguf(fmt, torch.from_numpy(np.ascontiguousarray(blocks)), cols)
+
+
+def _moe(fmt: str, int8: bool, native: bool = True, down_fmt: str | None = None) -> MoE:
+    experts = []
+    for e in range(EXPERTS):
+        gate_up = fuse([_weight(fmt, INTER, H, 10 * e), _weight(fmt, INTER, H, 10 * e + 1)], int8)
+        down = _weight(down_fmt or fmt, H, INTER, 10 * e + 2)
+        experts.append(Expert(Projection(gate_up, int8=int8), Projection(down, int8=int8)))
+    router = torch.randn(EXPERTS, H, generator=torch.Generator().manual_seed(5))
+    return MoE(router, experts, TOP_K, normalize=True, native=native)
+
+
+def _x(tokens: int) -> torch.Tensor:
+    return torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)) * 0.2
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("int8", [False, True])
+def test_one_call_equals_the_per_op_path_and_is_batch_invariant(fmt: str, int8: bool) -> None:
+    moe = _moe(fmt, int8)
+    assert moe.table is not None
+    x = _x(37)
+    fused = moe(x)
+    table, moe.table = moe.table, None  # the per-op path
+    assert torch.equal(fused, moe(x))
+    moe.table = table
+    alone = torch.cat([moe(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(alone, fused)
+    assert torch.equal(torch.cat([moe(x[:5]), moe(x[5:])]), fused)
+
+
+def test_only_the_chosen_experts_run_once_per_step() -> None:
+    moe = _moe("q4_k", False)
+    x = _x(6)
+    _, ids = moe.route(x)
+    before = moe.expert_runs
+    moe(x)
+    assert moe.expert_runs - before == len(set(ids.flatten().tolist())) <= EXPERTS
+
+
+def test_matches_a_dense_torch_reference() -> None:
+    """The weights dequantized, transformers' formula in torch (fp32, other summation order)."""
+    moe = _moe("q8_0", False, down_fmt="q6_k")
+    x = _x(9)
+    weights, ids = moe.route(x)
+    expected = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], ids[t], strict=True):
+            expert = moe.experts[int(e)]
+            gate, up = (x[t] @ expert.gate_up.quantized.dequantize().T).chunk(2)
+            expected[t] += w * (
+                expert.down.quantized.dequantize() @ (torch.nn.functional.silu(gate) * up)
+            )
+    torch.testing.assert_close(moe(x), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_mixed_formats_in_one_expert_fall_back_to_per_op() -> None:
+    experts = _moe("q4_k", False).experts
+    stacked = fuse([_weight("q4_k", INTER, H, 1), _weight("q6_k", INTER, H, 2)])
+    experts[0] = Expert(Projection(stacked), experts[0].down)
+    moe = MoE(torch.randn(EXPERTS, H), experts, TOP_K, normalize=False, native=True)
+    assert moe.table is None
+    assert moe(_x(4)).shape == (4, H)
