@@ -12,7 +12,10 @@ Conventions:
 - Penalties apply to greedy rows too (as in vLLM and HF ``generate``): temperature 0
   means argmax of the penalized logits, ties broken by the lowest token id.
 - Logprobs are vLLM's "raw" logprobs: log_softmax of the model's logits as given,
-  before penalties, temperature and truncation.
+  before penalties, temperature and truncation, but after a request's grammar mask
+  (compute/constraints.py, applied first): a constrained request's logprobs are those of
+  the distribution over the tokens its grammar allows, and never list a forbidden token
+  (as vLLM, which masks before its sampler).
 - Random draws invert the CDF: one uniform ``u`` per row picks the first token whose
   float64 cumulative probability exceeds ``u * total``. A seeded request draws its one
   uniform per token from its own generator, so its draws depend neither on the other
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import torch
 
+from compute.constraints import GrammarMasks
 from compute.core.messages import TokenLogprob
 from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
@@ -69,6 +73,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.seed = seed
         self._penalties = Penalties(vocab_size)
+        self.grammars = GrammarMasks(vocab_size)
         self._global_generators: dict[torch.device, torch.Generator] = {}
         self._request_generators: dict[str, torch.Generator] = {}
         # Generator states before the last sample call's draws (see ``rewind``).
@@ -92,6 +97,7 @@ class Sampler:
         if not seqs:
             return torch.empty(0, dtype=torch.long, device=logits.device), LogprobRows(params)
         logits = logits.float()  # no copy when already float32
+        logits = self.grammars.apply(logits, seqs)  # constrained rows only, before the rest
         penalized = self._penalties.apply(logits, seqs)
         tokens = self._choose(penalized, seqs)
         if self.faults is not None:
@@ -148,6 +154,7 @@ class Sampler:
         """Drop the request's generator and cached prompt (finished or aborted)."""
         self._request_generators.pop(request_id, None)
         self._penalties.forget(request_id)
+        self.grammars.forget(request_id)
 
     def _check_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         expected = (len(seqs), self.vocab_size)

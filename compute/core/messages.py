@@ -109,6 +109,7 @@ class StepTiming:
     idle_s: float  # the step loop waited for input before this step, with requests live
     num_seqs: int  # sequences in the batch
     num_tokens: int  # tokens computed (prefill chunks + one per decoding sequence)
+    mask_s: float = 0.0  # grammar masks of the constrained rows (part of forward/sample)
 
 
 @dataclass(frozen=True, slots=True)

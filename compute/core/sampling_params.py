@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass, replace
 
 from compute.core.errors import FieldError, capped
+from compute.core.grammar import CompiledGrammar
 
 DEFAULT_MAX_TOKENS = 256  # new tokens when the request does not say
 MAX_TOP_LOGPROBS = 20
@@ -41,6 +42,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: bool = False  # return the sampled token's logprob
     top_logprobs: int = 0  # also return this many alternatives (<= 20)
+    # A compiled grammar constraint (compute/constraints.py): compiled by stage 1, whose
+    # output must match it; None = unconstrained.
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         # The sampler computes in float32: a value valid as a Python float can be 0 or inf
@@ -81,6 +85,9 @@ class SamplingParams:
             f"at most {MAX_STOP_TOKEN_IDS} ids",
         )
         _check("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "ids must be >= 0")
+        if self.grammar is not None:
+            # Past EOS a grammar that has ended allows nothing more.
+            _check("ignore_eos", not self.ignore_eos, "cannot be combined with a constraint")
 
     def with_max_tokens_for(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Resolve an unset max_tokens: the default, capped to the room the context leaves.
@@ -99,6 +106,11 @@ class SamplingParams:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def constrained(self) -> bool:
+        """Sampling masks the logits by a grammar, advanced with every output token."""
+        return self.grammar is not None
 
     @property
     def penalized(self) -> bool:

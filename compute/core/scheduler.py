@@ -221,6 +221,7 @@ class Scheduler:
             or len(self.running) > spec.max_batch
             or seq.num_pending
             or seq.sampling_params.penalized  # its penalties would need the draft as history
+            or seq.sampling_params.constrained  # its grammar would need a mask per draft token
         ):
             return ()
         # Room for the draft and one more token: in the budget, in max_tokens, in the model.
