@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from compute.core.errors import FieldError
@@ -49,17 +49,27 @@ if TYPE_CHECKING:  # the engine module pulls in torch and the model
 log = get_logger(__name__)
 
 
+_GRAMMAR_FIELDS = ("grammar_workers", "grammar_timeout_s", "grammar_cache_size")
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     max_pending: int = 256  # requests admitted and not finished; beyond -> RESOURCE_EXHAUSTED
     tokenize_workers: int = 2  # stage-1 threads
     output_workers: int = 1  # stage-3 threads (requests are sharded, so each stays ordered)
-    grammar: GrammarConfig = field(default_factory=GrammarConfig)  # constraint compilation
+    # Constraint compilation (services/pipeline/grammar_compile.py): threads, time limit, cache.
+    grammar_workers: int = 1
+    grammar_timeout_s: float = 5.0
+    grammar_cache_size: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_pending", "tokenize_workers", "output_workers"):
-            if getattr(self, name) <= 0:
+        for name in ("max_pending", "tokenize_workers", "output_workers") + _GRAMMAR_FIELDS:
+            if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def grammar(self) -> GrammarConfig:
+        return GrammarConfig(self.grammar_workers, self.grammar_timeout_s, self.grammar_cache_size)
 
 
 class Admission:
