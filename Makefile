@@ -21,8 +21,9 @@ CUDA_MAJOR ?= $(shell $(PY) -c "import torch; print((torch.version.cuda or '13')
 # checks this list against the project's dependencies and the image's packages: 7.7 MB.
 GPU_WHEELS_DIR := .gpu-wheels
 GPU_WHEELS ?= structlog==26.1.0 gguf==0.19.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
-	grpcio-reflection==1.85.1 protobuf==7.36.2 smg-grpc-proto==0.4.28
-GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	grpcio-reflection==1.85.1 protobuf==7.36.2 smg-grpc-proto==0.4.28 llguidance==1.9.1
+GPU_PLATFORMS := --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_27_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 .PHONY: help setup setup-gpu gpu-wheels gpu-check system-tools test test-gateway lint format \

@@ -233,6 +233,7 @@ class Engine:
         the others get their outputs as if it had not been there. With asynchronous
         output these are the outputs of the step launched by the previous call."""
         t0 = time.perf_counter()
+        mask_before = self.runner.sampler.grammars.mask_seconds
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and _reads_history(self._in_flight[0]):
             outputs = self._resolve(*self._in_flight)  # its ids must be known to sample
@@ -262,6 +263,7 @@ class Engine:
             idle_s=0.0,
             num_seqs=len(sched.scheduled),
             num_tokens=sum(item.num_new_tokens for item in sched.scheduled),
+            mask_s=self.runner.sampler.grammars.mask_seconds - mask_before,
         )
         return outputs
 
@@ -393,9 +395,14 @@ class _Accumulator:
 
 
 def _reads_history(sched: SchedulerOutput) -> bool:
-    """Does a sequence this step samples for also sample from its history (penalties)?
-    Its next step cannot sample until this step's token is known on the host."""
-    return any(item.samples and item.seq.sampling_params.penalized for item in sched.scheduled)
+    """Does a sequence this step samples for also sample from its history (penalties, a
+    grammar's matcher)? Its next step cannot sample until this step's token is known on
+    the host."""
+    return any(
+        item.samples
+        and (item.seq.sampling_params.penalized or item.seq.sampling_params.constrained)
+        for item in sched.scheduled
+    )
 
 
 def _async_output(config: EngineConfig, device: torch.device) -> bool:

@@ -13,7 +13,10 @@ Conventions:
 - Penalties apply to greedy rows too (as in vLLM and HF ``generate``): temperature 0
   means argmax of the penalized logits, ties broken by the lowest token id.
 - Logprobs are vLLM's "raw" logprobs: log_softmax of the model's logits as given,
-  before penalties, temperature and truncation.
+  before penalties, temperature and truncation, but after a request's grammar mask
+  (compute/constraints.py, applied first): a constrained request's logprobs are those of
+  the distribution over the tokens its grammar allows, and never list a forbidden token
+  (as vLLM, which masks before its sampler).
 - Random draws invert the CDF: one uniform ``u`` per row picks the first token whose
   float64 cumulative probability exceeds ``u * total``. A seeded request draws its one
   uniform per token from its own generator, so its draws depend neither on the other
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import torch
 
+from compute.constraints import GrammarMasks
 from compute.core.messages import TokenLogprob
 from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
@@ -72,6 +76,7 @@ class Sampler:
         self.seed = seed
         self.eos_token_ids = tuple(eos_token_ids)  # banned before a request's min_tokens
         self._penalties = Penalties(vocab_size)
+        self.grammars = GrammarMasks(vocab_size)
         self._global_generators: dict[torch.device, torch.Generator] = {}
         self._request_generators: dict[str, torch.Generator] = {}
         # Generator states before the last sample call's draws (see ``rewind``).
@@ -95,6 +100,7 @@ class Sampler:
         if not seqs:
             return torch.empty(0, dtype=torch.long, device=logits.device), LogprobRows(params)
         logits = logits.float()  # no copy when already float32
+        logits = self.grammars.apply(logits, seqs)  # constrained rows only, before the rest
         processed = process_logits(logits, seqs, self.eos_token_ids)  # logit_bias, min_tokens
         penalized = self._penalties.apply(processed, seqs)
         tokens = self._choose(penalized, seqs)
@@ -152,6 +158,7 @@ class Sampler:
         """Drop the request's generator and cached prompt (finished or aborted)."""
         self._request_generators.pop(request_id, None)
         self._penalties.forget(request_id)
+        self.grammars.forget(request_id)
 
     def _check_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         expected = (len(seqs), self.vocab_size)

@@ -5,7 +5,10 @@ stage 2: ``Abort``; stage 2 -> stage 3: ``StepOutputs`` (one per engine step, ca
 scheduler's ``RequestOutput`` records as they were made, and an ``EngineStats`` snapshot)
 and ``RequestFailed``; ``Shutdown`` ends a stage's loop. Records are frozen and hold ints,
 strs, floats, enums and tuples of them (plus the frozen ``SamplingParams``): never tensors,
-never asyncio objects, so a stage could move to another process unchanged.
+never asyncio objects, so a stage could move to another process unchanged. One exception:
+a constrained request's ``SamplingParams.grammar`` holds llguidance's compiled matcher (a
+native object, shared read-only by the requests of the same text), which a move to another
+process would have to send as its grammar text and compile again.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class StepTiming:
     idle_s: float  # the step loop waited for input before this step, with requests live
     num_seqs: int  # sequences in the batch
     num_tokens: int  # tokens computed (prefill chunks + one per decoding sequence)
+    mask_s: float = 0.0  # grammar masks of the constrained rows (part of forward/sample)
 
 
 @dataclass(frozen=True, slots=True)

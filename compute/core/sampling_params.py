@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass, replace
 
 from compute.core.errors import FieldError, capped
+from compute.core.grammar import CompiledGrammar
 
 DEFAULT_MAX_TOKENS = 256  # new tokens when the request does not say
 MAX_TOP_LOGPROBS = 20
@@ -46,6 +47,9 @@ class SamplingParams:
     # (token id, bias) pairs, ids ascending: added to the logits (compute/logit_processors.py)
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # EOS, stop tokens and stop strings do not end it before this many
+    # A compiled grammar constraint (compute/constraints.py): compiled by stage 1, whose
+    # output must match it; None = unconstrained.
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         # The sampler computes in float32: a value valid as a Python float can be 0 or inf
@@ -90,6 +94,11 @@ class SamplingParams:
         _check("min_tokens", self.min_tokens >= 0, "must be >= 0", self.min_tokens)
         ok = self.max_tokens is None or self.min_tokens <= self.max_tokens
         _check("min_tokens", ok, f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.grammar is not None:
+            # Past EOS a grammar that has ended allows nothing more.
+            _check("ignore_eos", not self.ignore_eos, "cannot be combined with a constraint")
+            # A grammar that has ended allows only EOS, which min_tokens would ban.
+            _check("min_tokens", self.min_tokens == 0, "cannot be combined with a constraint")
 
     def with_max_tokens_for(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Resolve an unset max_tokens: the default, capped to the room the context leaves.
@@ -109,6 +118,11 @@ class SamplingParams:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def constrained(self) -> bool:
+        """Sampling masks the logits by a grammar, advanced with every output token."""
+        return self.grammar is not None
 
     @property
     def penalized(self) -> bool:

@@ -230,6 +230,7 @@ class Scheduler:
             or seq.num_pending
             or seq.sampling_params.penalized  # its penalties would need the draft as history
             or seq.num_output_tokens < seq.sampling_params.min_tokens  # one ban per position
+            or seq.sampling_params.constrained  # its grammar would need a mask per draft token
         ):
             return ()
         if seq.draft_skip > 0:  # backing off after wholly rejected drafts

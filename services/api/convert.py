@@ -11,6 +11,7 @@ protobuf here and only here.
 from __future__ import annotations
 
 from compute.core.errors import FieldError
+from compute.core.grammar import Constraint
 from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams, logit_bias_entries
 from services.gen.headrace.v1 import generation_pb2 as pb
@@ -64,7 +65,26 @@ def to_input(request: pb.GenerateRequest, request_id: str) -> GenerateInput:
         params=sampling_params(request),
         priority=request.priority,
         n=request.n or 1,
+        constraint=constraint(request),
     )
+
+
+def constraint(request: pb.GenerateRequest) -> Constraint | None:
+    """The request's grammar constraint as asked (compiled, and checked, by stage 1)."""
+    if not request.HasField("constraint"):
+        return None
+    c = request.constraint
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise FieldError("constraint", "one of its kinds must be set when it is given")
+    field = f"constraint.{kind}"
+    if kind == "json_object":
+        if not c.json_object:
+            raise FieldError(field, "must be true when set")
+        return Constraint(kind, field=field)
+    if kind == "choice":
+        return Constraint(kind, choices=tuple(c.choice.choices), field="constraint.choice.choices")
+    return Constraint(kind, getattr(c, kind), field=field)
 
 
 def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> dict:
@@ -186,4 +206,9 @@ def model_info_to_pb(info: ModelInfo) -> pb.GetModelInfoResponse:
         weights=info.weights,
         cuda_graph_batch_sizes=info.cuda_graph_batch_sizes,
         async_output=info.async_output,
+        constraint_kinds=info.constraint_kinds,
+        grammar_library=info.grammar_library,
+        grammar_compile_timeout_seconds=info.grammar_compile_timeout_seconds,
+        grammar_cache_size=info.grammar_cache_size,
+        max_constraint_chars=info.max_constraint_chars,
     )

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from compute.core.errors import FieldError, RequestError
+from compute.core.grammar import Constraint
 from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class GenerateInput:
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
     n: int = 1  # samples of the prompt (services/pipeline/samples.py); 1..PipelineConfig.max_n
+    constraint: Constraint | None = None  # compiled by stage 1 into params.grammar
 
 
 PROMPT_FORMS = ("prompt", "token_ids", "chat")
@@ -100,6 +102,12 @@ class ModelInfo:
     weights: str = "dense"  # --weights as it took effect: dense, quantized, quantized-int8
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # captured decode graphs (--cuda-graphs)
     async_output: bool = False  # --async-output as it took effect
+    # Grammar constraints (services/pipeline/grammar_compile.py); none without a tokenizer.
+    constraint_kinds: tuple[str, ...] = ()
+    grammar_library: str = ""
+    grammar_compile_timeout_seconds: float = 0.0
+    grammar_cache_size: int = 0
+    max_constraint_chars: int = 0
 
 
 class ResourceExhausted(RequestError):

@@ -20,12 +20,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
 from compute.core.errors import FieldError
 from compute.core.messages import Abort, AddRequest, EngineStats, Shutdown
+from compute.grammar_compiler import GrammarCompiler
 from compute.step_loop import Inbound, StepLoop, run_step_loop
 from kernels.log import get_logger
 from services.pipeline.domain import (
@@ -38,6 +39,7 @@ from services.pipeline.domain import (
     ResourceExhausted,
     Unavailable,
 )
+from services.pipeline.grammar_compile import GrammarConfig, GrammarStage
 from services.pipeline.output_stage import OutputStage
 from services.pipeline.request_state import RequestStream
 from services.pipeline.samples import Prepare, check_samples, generate_samples
@@ -50,17 +52,33 @@ if TYPE_CHECKING:  # the engine module pulls in torch and the model
 log = get_logger(__name__)
 
 
+_GRAMMAR_FIELDS = ("grammar_workers", "grammar_timeout_s", "grammar_cache_size")
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     max_pending: int = 256  # requests admitted and not finished; beyond -> RESOURCE_EXHAUSTED
     tokenize_workers: int = 2  # stage-1 threads
     output_workers: int = 1  # stage-3 threads (requests are sharded, so each stays ordered)
     max_n: int = 16  # most samples (n) one request may ask for; each counts in max_pending
+    # Constraint compilation (services/pipeline/grammar_compile.py): threads, time limit, cache.
+    grammar_workers: int = 1
+    grammar_timeout_s: float = 5.0
+    grammar_cache_size: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_pending", "tokenize_workers", "output_workers", "max_n"):
-            if getattr(self, name) <= 0:
+        for name in (
+            "max_pending",
+            "tokenize_workers",
+            "output_workers",
+            "max_n",
+        ) + _GRAMMAR_FIELDS:
+            if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def grammar(self) -> GrammarConfig:
+        return GrammarConfig(self.grammar_workers, self.grammar_timeout_s, self.grammar_cache_size)
 
 
 class Admission:
@@ -123,6 +141,7 @@ class Pipeline:
         self._stage1 = TokenizeStage(
             engine.tokenizer, engine.request_limits, config.tokenize_workers
         )
+        self._grammars = GrammarStage(_grammar_compiler(engine), config.grammar, metrics)
         self._stage3 = OutputStage(engine.tokenizer, self._abort, metrics, config.output_workers)
         self._stage2 = StepLoop(
             engine, self._inbox, self._stage3.submit, self._admission.active_since
@@ -155,6 +174,7 @@ class Pipeline:
             log.warning("pipeline threads did not stop in time", threads=alive)
         self._stage3.fail_remaining("the server is shutting down")
         self._stage1.shutdown()
+        self._grammars.shutdown()
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk | Complete]:
         """Chunk(s) then exactly one Complete per sample (``inp.n``, each event with its
@@ -220,6 +240,7 @@ class Pipeline:
             weights=engine.weights,
             cuda_graph_batch_sizes=engine.cuda_graph_batch_sizes,
             async_output=engine.async_output,
+            **self._grammars.info(),
         )
 
     def engine_stats(self) -> EngineStats:
@@ -254,7 +275,13 @@ class Pipeline:
     async def _prepare(self, inp: GenerateInput, request_id: str, arrival: float) -> AddRequest:
         """Stage 1: the tokenized, checked request."""
         try:
-            return await self._stage1.prepare(inp, request_id, arrival)
+            req = await self._stage1.prepare(inp, request_id, arrival)
+            if inp.constraint is None:
+                return req
+            grammar = await self._grammars.compile(inp.constraint)
+            params = replace(req.params, grammar=grammar)  # FieldError: ignore_eos
+            self._metrics.observe_constrained(inp.constraint.kind)
+            return replace(req, params=params)
         except FieldError:
             self._reject("invalid_argument")
             raise
@@ -286,3 +313,10 @@ class Pipeline:
 
     def _reject(self, reason: str) -> None:
         self._metrics.observe_rejected(reason)
+
+
+def _grammar_compiler(engine: Engine) -> GrammarCompiler | None:
+    """The engine's vocabulary for grammars (None without a tokenizer: dummy weights)."""
+    if engine.tokenizer is None:
+        return None
+    return GrammarCompiler.for_tokenizer(engine.tokenizer, engine.model_config.vocab_size)

@@ -49,6 +49,7 @@ class Metrics:
         self._add_request_metrics(self.registry)
         self._add_vllm_aliases(self.registry)
         self._add_step_metrics(self.registry)
+        self._add_grammar_metrics(self.registry)
         self._last_cumulative = dict.fromkeys(_CUMULATIVE, 0)
 
     def _add_engine_metrics(self, r: CollectorRegistry) -> None:
@@ -202,6 +203,29 @@ class Metrics:
         self.step_tokens = Histogram("headrace_step_tokens", "Tokens computed per engine step",
                                      buckets=_POW2, registry=r)  # fmt: skip
 
+    def _add_grammar_metrics(self, r: CollectorRegistry) -> None:
+        """Grammar constraints (compute/constraints.py, services/pipeline/grammar_compile.py)."""
+        self.constrained_requests = Counter(
+            "headrace_constrained_requests", "Requests admitted with a grammar constraint",
+            ["kind"], registry=r,
+        )  # fmt: skip
+        self.grammar_compile = Histogram(
+            "headrace_grammar_compile_seconds",
+            "Seconds to compile a constraint (outcome: compiled, cached, invalid, timeout, error)",
+            ["outcome"], buckets=_STEP_BUCKETS + (5.0, 10.0), registry=r,
+        )  # fmt: skip
+        self.grammar_mask = Histogram(
+            "headrace_grammar_mask_seconds",
+            "Seconds per engine step computing the grammar masks of its constrained rows",
+            buckets=_STEP_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def observe_constrained(self, kind: str) -> None:
+        self.constrained_requests.labels(kind=kind).inc()
+
+    def observe_grammar_compile(self, outcome: str, seconds: float) -> None:
+        self.grammar_compile.labels(outcome=outcome).observe(seconds)
+
     def observe_step(self, timing: StepTiming) -> None:
         self.step_schedule.observe(timing.schedule_s)
         self.step_forward.observe(timing.forward_s)
@@ -209,6 +233,8 @@ class Metrics:
         self.step_idle.observe(timing.idle_s)
         self.step_batch_size.observe(timing.num_seqs)
         self.step_tokens.observe(timing.num_tokens)
+        if timing.mask_s > 0.0:  # steps with a constrained row only
+            self.grammar_mask.observe(timing.mask_s)
 
     def observe_engine_stats(self, stats: EngineStats) -> None:
         """Mirror one snapshot; call from one thread only (it diffs cumulative counts)."""
@@ -266,6 +292,7 @@ class NoMetrics(Metrics):
     __init__ = set_cache_config = observe_step = observe_engine_stats = _dropped
     observe_first_token = observe_decode = observe_inter_token = _dropped
     observe_finished = observe_rejected = bind_step_loop_idle_ratio = _dropped
+    observe_constrained = observe_grammar_compile = _dropped
 
 
 NO_METRICS = NoMetrics()

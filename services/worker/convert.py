@@ -16,6 +16,7 @@ from __future__ import annotations
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from compute.core.errors import FieldError
+from compute.core.grammar import Constraint
 from compute.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, logit_bias_entries
 from services.api.convert import MAX_REQUEST_ID_CHARS
 from services.pipeline.domain import Chunk, Complete, GenerateInput, prompt_form
@@ -46,7 +47,25 @@ def to_input(request: pb.GenerateRequest) -> GenerateInput:
         **_prompt(request),
         params=sampling_params(request),
         n=request.sampling_params.n or 1,  # 0 = unset = one sample, as vLLM reads it
+        constraint=constraint(request.sampling_params),
     )
+
+
+def constraint(sp: pb.SamplingParams) -> Constraint | None:
+    """``SamplingParams.constraint`` as asked (stage 1 compiles it). headrace runs no
+    reasoning parser: a grammar starts at the first generated token whether or not
+    ``grammar_from_first_token`` says so (GetServerInfo: constrained_decoding_start)."""
+    kind = sp.WhichOneof("constraint")
+    if kind is None:
+        return None
+    field = f"{SP}.{kind}"
+    if kind == "json_object":
+        if not sp.json_object:
+            raise FieldError(field, "must be true when set")
+        return Constraint(kind, field=field)
+    if kind == "choice":
+        return Constraint(kind, choices=tuple(sp.choice.choices), field=f"{field}.choices")
+    return Constraint(kind, getattr(sp, kind), field=field)
 
 
 def _prompt(request: pb.GenerateRequest) -> dict:
@@ -101,11 +120,6 @@ def _refuse_unsupported(sp: pb.SamplingParams) -> None:
         raise FieldError(f"{SP}.prompt_logprobs", "not supported by headrace")
     if sp.HasField("truncate_prompt_tokens"):
         raise FieldError(f"{SP}.truncate_prompt_tokens", "not supported by headrace")
-    constraint = sp.WhichOneof("constraint")
-    if constraint is not None:
-        raise FieldError(f"{SP}.{constraint}", "structured output is not supported by headrace")
-    if sp.grammar_from_first_token:
-        raise FieldError(f"{SP}.grammar_from_first_token", "structured output is not supported")
 
 
 def _logprobs(sp: pb.SamplingParams) -> dict:

@@ -168,6 +168,8 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
             block_size=info.block_size,
             model_dtype=info.dtype,
             kv_cache_dtype="auto",
+            # No reasoning parser: a request's grammar applies from its first token.
+            constrained_decoding_start="first_token" if info.constraint_kinds else "",
         )
 
     async def GetLoads(

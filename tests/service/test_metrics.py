@@ -124,3 +124,18 @@ def test_a_served_request_fills_the_step_and_phase_histograms(served) -> None:
     assert found[("headrace_step_tokens_sum", ())] >= 12
     assert found[("headrace_prefill_time_seconds_count", ())] == 3
     assert found[("headrace_decode_time_seconds_count", ())] == 3
+
+
+def test_grammar_metrics_count_constrained_requests_compiles_and_mask_time() -> None:
+    metrics = Metrics()
+    metrics.observe_constrained("json_schema")
+    metrics.observe_grammar_compile("compiled", 0.002)
+    metrics.observe_grammar_compile("cached", 0.0)
+    metrics.observe_step(StepTiming(0.001, 0.02, 0.003, 0.0, num_seqs=2, num_tokens=2))
+    metrics.observe_step(StepTiming(0.001, 0.02, 0.003, 0.0, 2, 2, mask_s=0.0005))
+    found = samples(metrics)
+    assert found[("headrace_constrained_requests_total", (("kind", "json_schema"),))] == 1
+    assert found[("headrace_grammar_compile_seconds_count", (("outcome", "compiled"),))] == 1
+    assert found[("headrace_grammar_compile_seconds_count", (("outcome", "cached"),))] == 1
+    assert found[("headrace_grammar_mask_seconds_count", ())] == 1  # unconstrained steps: none
+    assert found[("headrace_grammar_mask_seconds_sum", ())] == 0.0005

@@ -84,6 +84,7 @@ class FakeEngine:
         self.poison_token = poison_token  # a running prompt holding it makes step() raise
         self.refuse_token: int | None = None  # a prompt holding it: add_request FieldError
         self.added: list[str] = []
+        self.params: dict[str, SamplingParams] = {}  # every request's, as it reached the engine
         self.aborted: list[str] = []
         self.num_steps = 0
         self.last_step_timing: StepTiming | None = None
@@ -104,6 +105,7 @@ class FakeEngine:
         with self._lock:
             self._seqs[request_id] = _FakeSeq(list(prompt_token_ids), params)
             self.added.append(request_id)
+            self.params[request_id] = params
 
     def abort(self, request_id: str) -> None:
         with self._lock:
