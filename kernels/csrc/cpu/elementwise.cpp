@@ -55,6 +55,21 @@ HR_EXPORT void hr_silu_mul(const float* gate_up, float* out, int64_t n, int64_t 
   }
 }
 
+// out[i, :] = gelu_tanh(gate) * up, gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715
+// g^3))) (Gemma's gelu_pytorch_tanh), tanh(y) = 1 - 2 / (exp(2y) + 1).
+HR_EXPORT void hr_gelu_tanh_mul(const float* gate_up, float* out, int64_t n, int64_t inter) {
+#pragma omp parallel for schedule(static) if (parallel_rows(n, inter))
+  for (int64_t i = 0; i < n; ++i) {
+    const float* g = gate_up + i * 2 * inter;
+    for (int64_t c = 0; c < inter; c += 16) {
+      const v16f x = load16(g + c);
+      const v16f y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+      const v16f t = 1.0f - 2.0f / (exp16(y + y) + 1.0f);
+      store16(out + i * inter + c, 0.5f * x * (1.0f + t) * load16(g + inter + c));
+    }
+  }
+}
+
 // OpenMP's thread count is per calling thread: the engine's step loop runs in its own
 // thread, so it sets the count torch uses before its first kernel (kernels/cpu/launch.py).
 HR_EXPORT void hr_set_num_threads(int64_t n) { omp_set_num_threads(static_cast<int>(n)); }
