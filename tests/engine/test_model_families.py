@@ -109,11 +109,11 @@ def _smollm2_tokenizer(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def build_hf_model(directory: Path, family: str, seed: int = 0):
-    """A tiny random-weight `family` model saved to `directory` (safetensors + tokenizer);
-    returns the transformers model (fp32, eval)."""
+def build_hf_model(directory: Path, family: str, seed: int = 0, **overrides):
+    """A tiny random-weight `family` model (its config changed by `overrides`) saved to
+    `directory` (safetensors + tokenizer); returns the transformers model (fp32, eval)."""
     config_class, extra = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**SMALL, **extra})
+    config = getattr(transformers, config_class)(**{**SMALL, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     if family in GEMMA_FAMILIES:  # Gemma initialises its (1 + w) norms to w = 0: make w count
