@@ -363,7 +363,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         return list(prompt)
 
 

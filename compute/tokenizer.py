@@ -342,6 +342,13 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text are matched as specials."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw prompt, as transformers' ``tokenizer(text)`` gives them: with
+        the BOS the vocabulary asks for (Gemma, Llama 2: SentencePiece GGUFs; tokenizer.json
+        post-processors), none where it asks for none (byte-level GGUFs without
+        add_bos_token)."""
+        return self.encode(text, add_special_tokens=True)
+
     def min_tokens(self, text: str) -> int:
         """A lower bound on ``len(self.encode(text))``, in O(1): no token covers more than
         ``max_token_chars`` characters of the input. Lets a caller refuse a text that can

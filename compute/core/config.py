@@ -124,6 +124,42 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def sliding_layers(self) -> int:
+        """How many layers attend within the sliding window."""
+        return sum(self.layer_window(i) is not None for i in range(self.num_layers))
+
+    def features(self) -> tuple[str, ...]:
+        """Every way this model differs from a plain Llama decoder, one string each, in use
+        (GetModelInfo's features)."""
+        out = []
+        if self.sliding_window is not None:
+            out.append(
+                f"sliding_window={self.sliding_window} "
+                f"({self.sliding_layers} of {self.num_layers} layers)"
+            )
+        if self.rope_type != "default":
+            out.append(f"rope={self.rope_type} (factor {self.rope_factor:g})")
+        if self.rope_freq_factors is not None:
+            out.append("rope_freq_factors")
+        if self.rope_local_theta is not None:
+            out.append(f"rope_local_theta={self.rope_local_theta:g}")
+        flags = {
+            "qkv_bias": self.qkv_bias,
+            "qk_norm": self.qk_norm,
+            "gelu_tanh_mlp": self.hidden_act == "gelu_tanh",
+            "sandwich_norms": self.sandwich_norms,
+        }
+        out += [name for name, on in flags.items() if on]
+        values = {
+            "embed_scale": None if self.embed_scale == 1.0 else self.embed_scale,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "attn_logit_softcapping": self.attn_logit_softcap,
+            "final_logit_softcapping": self.final_logit_softcap,
+        }
+        out += [f"{name}={value:g}" for name, value in values.items() if value is not None]
+        return tuple(out)
+
+    @property
     def attn_scale(self) -> float:
         """What attention scores are multiplied by before the softmax."""
         if self.query_pre_attn_scalar is not None:

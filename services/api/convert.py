@@ -179,4 +179,11 @@ def model_info_to_pb(info: ModelInfo) -> pb.GetModelInfoResponse:
         weights=info.weights,
         cuda_graph_batch_sizes=info.cuda_graph_batch_sizes,
         async_output=info.async_output,
+        rope_type=info.rope_type,
+        sliding_window=info.sliding_window,
+        sliding_window_layers=info.sliding_window_layers,
+        num_layers=info.num_layers,
+        attn_logit_softcapping=info.attn_logit_softcapping,
+        final_logit_softcapping=info.final_logit_softcapping,
+        features=info.features,
     )

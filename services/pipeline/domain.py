@@ -97,6 +97,14 @@ class ModelInfo:
     weights: str = "dense"  # --weights as it took effect: dense, quantized, quantized-int8
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # captured decode graphs (--cuda-graphs)
     async_output: bool = False  # --async-output as it took effect
+    # The architecture deltas in use (compute.core.config.ModelConfig.features).
+    rope_type: str = "default"
+    sliding_window: int = 0  # 0 = no sliding layer
+    sliding_window_layers: int = 0
+    num_layers: int = 0
+    attn_logit_softcapping: float = 0.0  # 0 = none
+    final_logit_softcapping: float = 0.0
+    features: tuple[str, ...] = ()
 
 
 class ResourceExhausted(RequestError):

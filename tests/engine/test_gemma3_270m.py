@@ -127,3 +127,5 @@ def test_greedy_equals_transformers(engine: Engine, reference) -> None:
     expected = hf_greedy(model, prompts, NEW_TOKENS)
     assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == expected
     assert [engine.generate([ids], GREEDY)[0].token_ids for ids in prompts[:2]] == expected[:2]
+    # A text prompt gets the BOS Gemma needs, as transformers' tokenizer(text) gives it.
+    assert engine.generate([PROMPTS[0]], GREEDY)[0].token_ids == expected[0]

@@ -106,6 +106,7 @@ def test_sentencepiece_gguf_tokenizes_as_transformers(tmp_path: Path, arch, fami
     for text in TEXTS:
         assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
         assert ours.encode(text, add_special_tokens=True) == theirs.encode(text), text
+        assert ours.encode_prompt(text) == theirs(text)["input_ids"], text  # BOS first
         ids = ours.encode(text)
         assert ours.decode(ids) == theirs.decode(ids), text
     # byte fallback really ran: characters outside the vocabulary became <0xNN> tokens

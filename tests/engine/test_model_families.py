@@ -200,6 +200,18 @@ def test_through_the_grpc_server_equals_transformers(family) -> None:
     ]
     got: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     with running_server(engine_for(path, "native")) as running:
+        info = running.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
+        if name == "gemma3":  # the architecture and the deltas in use
+            assert info.architecture == "gemma3_text" and info.rope_type == "default"
+            assert (info.sliding_window, info.sliding_window_layers, info.num_layers) == (
+                WINDOW, 2, 3)  # fmt: skip
+            assert info.attn_logit_softcapping == 0 and info.final_logit_softcapping == 0
+            assert {"qk_norm", "gelu_tanh_mlp", "sandwich_norms", "rope_local_theta=10000",
+                    "query_pre_attn_scalar=24", f"sliding_window={WINDOW} (2 of 3 layers)",
+                    } <= set(info.features)  # fmt: skip
+        else:
+            assert info.rope_type == "llama3" and info.sliding_window == 0
+            assert list(info.features) == ["rope=llama3 (factor 8)"]
         batch = pb.GenerateBatchRequest(requests=requests)
         for response in running.stub().GenerateBatch(batch, timeout=120):
             if response.HasField("chunk"):
@@ -231,6 +243,9 @@ def test_loaded_config_carries_the_family_settings(family) -> None:
     if name == "gemma2":
         assert not cfg.qk_norm and cfg.rope_local_theta is None
         assert (cfg.attn_logit_softcap, cfg.final_logit_softcap) == (20.0, 15.0)
+        assert {"attn_logit_softcapping=20", "final_logit_softcapping=15"} <= set(cfg.features())
+    if name == "phi3":
+        assert cfg.features() == ()
 
 
 # --- what headrace does not honour is refused, never served wrong ------------------------

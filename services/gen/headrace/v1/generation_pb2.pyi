@@ -207,7 +207,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "block_size", "kv_cache_capacity_tokens", "weights", "cuda_graph_batch_sizes", "async_output")
+    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "block_size", "kv_cache_capacity_tokens", "weights", "cuda_graph_batch_sizes", "async_output", "rope_type", "sliding_window", "sliding_window_layers", "num_layers", "attn_logit_softcapping", "final_logit_softcapping", "features")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,13 @@ class GetModelInfoResponse(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPH_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     ASYNC_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ROPE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ATTN_LOGIT_SOFTCAPPING_FIELD_NUMBER: _ClassVar[int]
+    FINAL_LOGIT_SOFTCAPPING_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     max_model_len: int
@@ -232,4 +239,11 @@ class GetModelInfoResponse(_message.Message):
     weights: str
     cuda_graph_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     async_output: bool
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., weights: _Optional[str] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., async_output: _Optional[bool] = ...) -> None: ...
+    rope_type: str
+    sliding_window: int
+    sliding_window_layers: int
+    num_layers: int
+    attn_logit_softcapping: float
+    final_logit_softcapping: float
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., weights: _Optional[str] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., async_output: _Optional[bool] = ..., rope_type: _Optional[str] = ..., sliding_window: _Optional[int] = ..., sliding_window_layers: _Optional[int] = ..., num_layers: _Optional[int] = ..., attn_logit_softcapping: _Optional[float] = ..., final_logit_softcapping: _Optional[float] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
