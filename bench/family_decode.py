@@ -1,5 +1,6 @@
 """Single-stream decode on the CPU kernels: each model family's per-family work against the
-plain Llama shape of the same size, so no family silently costs more than it should.
+plain Llama shape of the same size, so no family silently costs more than it should
+(Mistral's and Gemma's sliding windows, shorter than the prompt, included).
 
 Random weights (seeded) quantized to Q4_0 blocks in process, the shape of Qwen3-0.6B by
 default; for each family the engine decodes one sequence (64-token prompt) with
@@ -38,11 +39,27 @@ LLAMA = ModelConfig(
     intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
     rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
 )  # fmt: skip
+WINDOW = 32  # shorter than the 64-token prompt, so the window masks (and skips) keys
+GEMMA = dataclasses.replace(
+    LLAMA, hidden_act="gelu_tanh", embed_scale=LLAMA.hidden_size**0.5, sandwich_norms=True,
+    query_pre_attn_scalar=float(LLAMA.head_dim), sliding_window=WINDOW,
+)  # fmt: skip
 FAMILIES = {
     "llama": LLAMA,
     "llama3-rope": dataclasses.replace(LLAMA, rope_type="llama3", rope_factor=32.0),
     "qwen3": dataclasses.replace(LLAMA, architecture="qwen3", qk_norm=True),
-}
+    "mistral": dataclasses.replace(LLAMA, architecture="mistral", sliding_window=WINDOW),
+    # Gemma 3: five sliding layers (their own RoPE base) to one global, q/k norms.
+    "gemma3": dataclasses.replace(
+        GEMMA, architecture="gemma3", qk_norm=True, rope_local_theta=1e4,
+        layer_types=tuple("full" if i % 6 == 5 else "sliding" for i in range(LLAMA.num_layers)),
+    ),
+    # Gemma 2: sliding and global layers alternating, attention and final soft-caps.
+    "gemma2": dataclasses.replace(
+        GEMMA, architecture="gemma2", attn_logit_softcap=50.0, final_logit_softcap=30.0,
+        layer_types=tuple("full" if i % 2 else "sliding" for i in range(LLAMA.num_layers)),
+    ),
+}  # fmt: skip
 
 
 def quantized_model(config: ModelConfig, seed: int) -> LoadedModel:

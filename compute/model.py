@@ -271,13 +271,16 @@ class LlamaModel:
         return layer.o_proj(out.reshape(-1, cfg.q_size))
 
     def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights) -> None:
-        """RMSNorm of each q and k head of the fused qkv [T, (H + 2 Hkv) D], in place: a few
-        small torch ops per layer (HF Qwen3RMSNorm's order), before RoPE on either path."""
+        """RMSNorm of each q and k head of the fused qkv [T, (H + 2 Hkv) D], in place, before
+        RoPE: one CPU kernel call per part, or a few small torch ops (HF Qwen3RMSNorm's order)."""
         cfg = self.config
         for start, heads, weight in (
             (0, cfg.num_heads, layer.q_norm),
             (cfg.q_size, cfg.num_kv_heads, layer.k_norm),
         ):
+            if self.native:  # one kernel call instead of a few small torch ops
+                cpu.head_rms_norm(qkv, weight, start, heads, cfg.rms_norm_eps)
+                continue
             part = qkv[:, start : start + heads * cfg.head_dim].view(-1, heads, cfg.head_dim)
             xf = part.float()
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)

@@ -32,6 +32,7 @@ _SIGNATURES = {
     "hr_dequantize_tiled": (_I, _P, _I, _P, _I, _P),
     "hr_rms_norm": (_P, _P, _P, _I, _I, _F),
     "hr_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
+    "hr_head_rms_norm": (_P, _P, _I, _I, _I, _I, _F),
     "hr_silu_mul": (_P, _P, _I, _I),
     "hr_gelu_tanh_mul": (_P, _P, _I, _I),
     "hr_paged_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _F),
@@ -226,6 +227,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, check: bool = True) -> Tenso
     out = torch.empty_like(x)
     library().hr_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, h, eps)
     return out
+
+
+def head_rms_norm(
+    qkv: Tensor, weight: Tensor, start: int, heads: int, eps: float, check: bool = True
+) -> None:
+    """In place: RMSNorm of each of the `heads` head slices that begin at column `start` of
+    every row of the fused qkv [T, width], by weight [head_dim] (per-head q/k norms)."""
+    tokens, width = qkv.shape
+    dim = weight.shape[0]
+    if check:
+        _check("qkv", qkv, torch.float32, (tokens, width))
+        _check("weight", weight, torch.float32, (dim,))
+        if dim % 16 or start + heads * dim > width:
+            raise ValueError(f"head_rms_norm: {heads} heads of {dim} from {start} in {width}")
+    if tokens:
+        library().hr_head_rms_norm(
+            qkv.data_ptr() + 4 * start, weight.data_ptr(), tokens, width, heads, dim, eps
+        )
 
 
 def add_rms_norm(

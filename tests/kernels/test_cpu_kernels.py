@@ -440,3 +440,15 @@ def test_gelu_tanh_mul_matches_torch():
     gate, up = gate_up.chunk(2, dim=-1)
     want = torch.nn.functional.gelu(gate, approximate="tanh") * up
     torch.testing.assert_close(cpu.gelu_tanh_mul(gate_up), want, rtol=1e-5, atol=1e-5)
+
+
+def test_head_rms_norm_normalises_each_head_in_place():
+    """Per-head q/k RMSNorm (Qwen3, Gemma 3) on the q or k columns of a fused qkv row."""
+    heads, kv_heads, dim, tokens = 4, 2, 32, 3
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    weight = torch.rand(dim) + 0.5
+    want = qkv.clone()
+    part = want[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    part.copy_(weight * part * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + 1e-6))
+    cpu.head_rms_norm(qkv, weight, heads * dim, kv_heads, 1e-6)
+    torch.testing.assert_close(qkv, want, rtol=1e-5, atol=1e-6)

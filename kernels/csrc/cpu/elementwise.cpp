@@ -31,6 +31,18 @@ HR_EXPORT void hr_rms_norm(const float* x, const float* weight, float* out, int6
   for (int64_t i = 0; i < n; ++i) rms_row(x + i * h, weight, out + i * h, h, eps);
 }
 
+// In place, for each of n rows (row_stride floats apart): RMSNorm of each of its `heads`
+// consecutive head slices of `dim` floats, scaled by weight [dim] (Qwen3's and Gemma 3's
+// q/k norms, on the q or k part of a fused q|k|v row). dim % 16 == 0.
+HR_EXPORT void hr_head_rms_norm(float* x, const float* weight, int64_t n, int64_t row_stride,
+                                int64_t heads, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (parallel_rows(n * heads, dim))
+  for (int64_t i = 0; i < n * heads; ++i) {
+    float* row = x + (i / heads) * row_stride + (i % heads) * dim;
+    rms_row(row, weight, row, dim, eps);  // reads every value before it writes one
+  }
+}
+
 // residual[i] += x[i]; out[i] = rms_norm(residual[i]) * weight (the residual stream kept
 // in `residual`, the next sublayer's input in `out`).
 HR_EXPORT void hr_add_rms_norm(const float* x, float* residual, const float* weight, float* out,
