@@ -121,6 +121,13 @@ def build_hf_model(directory: Path, family: str, seed: int = 0, **overrides):
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0.0, 0.2)
+                # The residual stream starts as embeddings x sqrt(hidden): with unit-gain
+                # output norms the layers barely move it and the tied head echoes the last
+                # token whatever attention does. Gains of ~4 make attention decide.
+                if name.endswith(
+                    ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
+                ):
+                    param.normal_(3.0, 0.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
     _smollm2_tokenizer(directory)
