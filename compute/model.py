@@ -92,6 +92,13 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [D], Qwen3's RMSNorm of each q head before RoPE
     k_norm: torch.Tensor | None = None  # [D], the same for each k head
     moe: MoE | None = None  # the mixture-of-experts MLP (compute/moe.py) instead of gate_up/down
+    # Gemma's sandwich norms: RMSNorm of the attention / MLP output before its residual add
+    # (HF post_attention_layernorm / post_feedforward_layernorm; post_norm is then HF's
+    # pre_feedforward_layernorm, the MLP's input norm).
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    window: int | None = None  # the layer's sliding window (tokens), None = full attention
+    local_rope: bool = False  # RoPE of the sliding layers' own base (Gemma 3)
 
 
 class RotaryEmbedding:
@@ -147,17 +154,30 @@ class LlamaModel:
             self.device,
             self.dtype,
         )
-        self.scale = config.head_dim**-0.5
+        self.local_rope = None  # Gemma 3's sliding layers: default RoPE of their own base
+        if config.rope_local_theta is not None:
+            self.local_rope = RotaryEmbedding(
+                rope.default_inv_freq(config.head_dim, config.rope_local_theta),
+                config.max_position_embeddings,
+                self.device,
+                self.dtype,
+            )
+        self.scale = config.attn_scale
         self.int8 = int8
         # Every layer in one kernel call (kernels/cpu/launch.py decoder_layers) when every
         # projection is quantized: bit-identical to the per-op path, ~1.4 ms less Python
         # per step. Tests turn it off to compare the two.
         # Per-head q/k norms (Qwen3) run between the qkv matmul and RoPE, which that call
-        # fuses, so such models take the per-op path.
+        # fuses, and Gemma's deltas (sandwich norms, GeGLU, soft-caps, two RoPE tables) are
+        # not in it, so such models take the per-op path.
         self.fused_layers = (
             native
             and not config.qk_norm
             and not config.num_experts  # the experts run per op (compute/moe.py)
+            and config.hidden_act == "silu"
+            and not config.sandwich_norms
+            and config.attn_logit_softcap is None
+            and self.local_rope is None
             and all(
                 p.quantized is not None
                 for layer in self.layers
@@ -194,8 +214,13 @@ class LlamaModel:
             # see tensors of the same shapes, made by the kernels themselves.
             check = layer is self.layers[0]
             attn = self._attention(x, positions, layer, key_cache, value_cache, meta, check)
+            if layer.attn_out_norm is not None:
+                attn = self._rms_norm(attn, layer.attn_out_norm)
             x = self._add_norm(attn, hidden, layer.post_norm, check)
-            x = self._add_norm(self._mlp(x, layer, check), hidden, next_norm, check)
+            mlp = self._mlp(x, layer, check)
+            if layer.mlp_out_norm is not None:
+                mlp = self._rms_norm(mlp, layer.mlp_out_norm)
+            x = self._add_norm(mlp, hidden, next_norm, check)
         return x
 
     def _decoder_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -207,44 +232,60 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, V] for the given rows of hidden states."""
-        return self.lm_head(hidden).float()
+        """fp32 logits [N, V] for the given rows of hidden states (soft-capped: Gemma 2)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # transformers' order: / cap, tanh, * cap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed_tokens, QuantizedWeight):
-            return cpu.dequantize_rows(self.embed_tokens, token_ids)
-        return F.embedding(token_ids, self.embed_tokens)
+            embeds = cpu.dequantize_rows(self.embed_tokens, token_ids)
+        else:
+            embeds = F.embedding(token_ids, self.embed_tokens)
+        if self.config.embed_scale != 1.0:  # Gemma: times sqrt(hidden), rounded to the dtype
+            embeds = embeds * torch.tensor(self.config.embed_scale, dtype=embeds.dtype)
+        return embeds
 
     def _attention(self, x, positions, layer, key_cache, value_cache, meta, check=True):
         cfg = self.config
         qkv = layer.qkv(x, check)
         if layer.q_norm is not None:
             self._qk_norm(qkv, layer)
+        rope = self.local_rope if layer.local_rope else self.rope
+        softcap = cfg.attn_logit_softcap
         if self.native:
-            rope = self.rope
             q = cpu.rope_and_cache(
                 qkv, positions, rope.cos, rope.sin, key_cache, value_cache,
                 meta.slot_mapping, cfg.num_heads, check,
             )  # fmt: skip
-            out = cpu.paged_attention(q, key_cache, value_cache, meta, self.scale, check)
+            out = cpu.paged_attention(
+                q, key_cache, value_cache, meta, self.scale, check, layer.window, softcap
+            )
             return layer.o_proj(out.view(-1, cfg.q_size), check)
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        q = self.rope(q.view(-1, cfg.num_heads, cfg.head_dim), positions)
-        k = self.rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)
+        q = rope(q.view(-1, cfg.num_heads, cfg.head_dim), positions)
+        k = rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)
         v = v.contiguous().view(-1, cfg.num_kv_heads, cfg.head_dim)  # a column slice of qkv
         # The step's K/V must be in the cache before attention reads it.
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale)
+        out = ops.paged_attention(
+            q, key_cache, value_cache, meta, self.scale, layer.window, softcap
+        )
         return layer.o_proj(out.reshape(-1, cfg.q_size))
 
     def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights) -> None:
-        """RMSNorm of each q and k head of the fused qkv [T, (H + 2 Hkv) D], in place: a few
-        small torch ops per layer (HF Qwen3RMSNorm's order), before RoPE on either path."""
+        """RMSNorm of each q and k head of the fused qkv [T, (H + 2 Hkv) D], in place, before
+        RoPE: one CPU kernel call per part, or a few small torch ops (HF Qwen3RMSNorm's order)."""
         cfg = self.config
         for start, heads, weight in (
             (0, cfg.num_heads, layer.q_norm),
             (cfg.q_size, cfg.num_kv_heads, layer.k_norm),
         ):
+            if self.native:  # one kernel call instead of a few small torch ops
+                cpu.head_rms_norm(qkv, weight, start, heads, cfg.rms_norm_eps)
+                continue
             part = qkv[:, start : start + heads * cfg.head_dim].view(-1, heads, cfg.head_dim)
             xf = part.float()
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
@@ -254,10 +295,13 @@ class LlamaModel:
         if layer.moe is not None:
             return layer.moe(x, check)
         gate_up = layer.gate_up(x, check)
+        gelu = self.config.hidden_act == "gelu_tanh"
         if self.native:
-            return layer.down(cpu.silu_mul(gate_up, check), check)
+            act = cpu.gelu_tanh_mul if gelu else cpu.silu_mul
+            return layer.down(act(gate_up, check), check)
         gate, up = gate_up.chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+        return layer.down(gate * up)
 
     def _add_norm(self, x, hidden: torch.Tensor, weight: torch.Tensor, check: bool = True):
         """hidden += x (the residual), then the next sublayer's RMSNorm of it."""
@@ -288,9 +332,15 @@ def _fuse_layer(
     qkv_bias = None
     if cfg.qkv_bias:
         qkv_bias = torch.cat([w(f"self_attn.{n}_proj.bias") for n in "qkv"])
-    qk_norms = {}
+    extra: dict = {"window": cfg.layer_window(i)}
+    extra["local_rope"] = cfg.rope_local_theta is not None and extra["window"] is not None
     if cfg.qk_norm:
-        qk_norms = {"q_norm": w("self_attn.q_norm.weight"), "k_norm": w("self_attn.k_norm.weight")}
+        extra.update(q_norm=w("self_attn.q_norm.weight"), k_norm=w("self_attn.k_norm.weight"))
+    post_norm = "post_attention_layernorm.weight"
+    if cfg.sandwich_norms:
+        extra["attn_out_norm"] = w("post_attention_layernorm.weight")
+        extra["mlp_out_norm"] = w("post_feedforward_layernorm.weight")
+        post_norm = "pre_feedforward_layernorm.weight"
     mlp: dict = {"gate_up": None, "down": None}
     if cfg.is_moe_layer(i):
         experts = [
@@ -317,7 +367,7 @@ def _fuse_layer(
             fuse([w(f"self_attn.{n}_proj.weight") for n in "qkv"], int8), qkv_bias, int8
         ),
         o_proj=Projection(w("self_attn.o_proj.weight"), int8=int8),
-        post_norm=w("post_attention_layernorm.weight"),
+        post_norm=w(post_norm),
         **mlp,
-        **qk_norms,
+        **extra,
     )

@@ -1,7 +1,9 @@
 """Text <-> token ids and chat formatting for stage 1 (tokenize) and stage 3 (detokenize).
 
 Wraps a Hugging Face `tokenizers.Tokenizer` built either from a GGUF file's metadata (byte-level
-BPE: tokens, merges, token types) or from an HF checkpoint's `tokenizer.json`, plus the model's
+BPE: tokens, merges, token types; or SentencePiece, `tokenizer.ggml.model = "llama"`: tokens,
+scores, token types, byte fallback, rebuilt as transformers rebuilds it, without sentencepiece)
+or from an HF checkpoint's `tokenizer.json`, plus the model's
 Jinja chat template rendered the way transformers renders it (sandboxed, trim/lstrip blocks).
 """
 
@@ -16,7 +18,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 # Tokens that end an assistant turn in common chat templates. A model's generation config lists
@@ -97,19 +99,87 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre_type: str | None) 
     return hf
 
 
-def _add_gguf_specials(hf: HFTokenizer, tokens: list[str], token_types: list[int]) -> None:
+_SPACE = "\u2581"  # SentencePiece's spelling of a space
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+
+def _spm_merges(tokens: list[str], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """transformers' generate_merges: every split of a token into two vocabulary pieces,
+    best score first (ties: shorter left, then shorter right piece)."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = []
+    for merge, score in scores.items():
+        local = [
+            (merge[:i], merge[i:], score)
+            for i in range(1, len(merge))
+            if merge[:i] in vocab and merge[i:] in vocab
+        ]
+        merges.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece(
+    tokens: list[str], scores: list[float], arch: str | None, unk: str | None
+) -> HFTokenizer:
+    """A SentencePiece vocabulary as the BPE transformers builds from a GGUF file (its
+    gguf_tokenizer_mapping: LlamaTokenizer, GemmaTokenizer, Phi-3's normalizer): merges
+    recovered from the scores (Gemma: from the order of the tokens, its scores do not
+    follow its merges), byte fallback to <0xNN> tokens."""
+    if arch in _GEMMA_ARCHITECTURES:
+        # Tokens of spaces only are stored as spaces; the normalizer spells spaces as U+2581.
+        tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        order = {token: -index for index, token in enumerate(tokens)}
+        merges = _spm_merges(tokens, order)
+    else:
+        merges = _spm_merges(tokens, dict(zip(tokens, scores, strict=True)))
+    vocab = {token: index for index, token in enumerate(tokens)}
+    gemma = arch in _GEMMA_ARCHITECTURES
+    hf = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            fuse_unk=True,
+            byte_fallback=True,
+            unk_token=(unk or "<unk>") if gemma else None,
+        )
+    )
+    replace = decoders.Replace(_SPACE, " ")
+    if gemma:
+        hf.normalizer = normalizers.Replace(" ", _SPACE)
+        hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        hf.decoder = decoders.Sequence([replace, decoders.ByteFallback(), decoders.Fuse()])
+        return hf
+    if arch == "phi3":  # the prefix space from a normalizer, not from Metaspace
+        hf.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)]
+        )
+    else:
+        hf.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=_SPACE, prepend_scheme="first", split=False
+        )
+    hf.decoder = decoders.Sequence(
+        [replace, decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return hf
+
+
+def _add_gguf_specials(
+    hf: HFTokenizer, tokens: list[str], token_types: list[int], byte_level: bool = True
+) -> None:
     """Control tokens are matched whole as specials; user-defined ones whole as plain tokens."""
     alphabet = set(bytes_to_unicode().values())
     control = [
         AddedToken(tok, normalized=False, special=True)
         for tok, kind in zip(tokens, token_types, strict=True)
         # A control token outside the byte alphabet is a llama.cpp mislabel (transformers skips it).
-        if kind == _CONTROL_TOKEN_TYPE and set(tok) <= alphabet
+        if kind == _CONTROL_TOKEN_TYPE and (not byte_level or set(tok) <= alphabet)
     ]
+    vocab = hf.get_vocab() if not byte_level else None  # SentencePiece: as respelled
     user = [
         AddedToken(tok, normalized=False, special=False)
         for tok, kind in zip(tokens, token_types, strict=True)
-        if kind == _USER_DEFINED_TOKEN_TYPE
+        if kind == _USER_DEFINED_TOKEN_TYPE and (vocab is None or tok in vocab)
     ]
     hf.add_special_tokens(control)
     hf.add_tokens(user)
@@ -202,7 +272,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader_or_path: Any) -> Tokenizer:
-        """Byte-level BPE from `tokenizer.ggml.*` metadata; raises ValueError for other models."""
+        """Byte-level BPE or SentencePiece from `tokenizer.ggml.*` metadata; raises ValueError
+        for other tokenizer models."""
         if isinstance(reader_or_path, str | Path):
             import gguf  # only GGUF users pay for the import
 
@@ -210,20 +281,36 @@ class Tokenizer:
         else:
             reader = reader_or_path
         model = gguf_field(reader, "tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {model!r} (only 'gpt2' BPE)")
+        if model not in ("gpt2", "llama"):
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {model!r} (only 'gpt2' BPE and 'llama' "
+                "SentencePiece)"
+            )
         tokens = gguf_field(reader, "tokenizer.ggml.tokens")
-        merges = gguf_field(reader, "tokenizer.ggml.merges")
-        if not tokens or not merges:
-            raise ValueError("GGUF tokenizer metadata lacks tokens or merges")
-        hf = _byte_level_bpe(tokens, merges, gguf_field(reader, "tokenizer.ggml.pre"))
-        _add_gguf_specials(hf, tokens, gguf_field(reader, "tokenizer.ggml.token_type", []))
         named = {
             name: tokens[token_id]
             for name in ("bos", "eos", "unknown", "padding")
-            if (token_id := gguf_field(reader, f"tokenizer.ggml.{name}_token_id")) is not None
+            if tokens
+            and (token_id := gguf_field(reader, f"tokenizer.ggml.{name}_token_id")) is not None
         }
-        if gguf_field(reader, "tokenizer.ggml.add_bos_token", False) and "bos" in named:
+        if model == "llama":
+            scores = gguf_field(reader, "tokenizer.ggml.scores")
+            if not tokens or not scores:
+                raise ValueError("GGUF SentencePiece metadata lacks tokens or scores")
+            arch = gguf_field(reader, "general.architecture")
+            hf = _sentencepiece(tokens, scores, arch, named.get("unknown"))
+            # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+            add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token", True)
+        else:
+            merges = gguf_field(reader, "tokenizer.ggml.merges")
+            if not tokens or not merges:
+                raise ValueError("GGUF tokenizer metadata lacks tokens or merges")
+            hf = _byte_level_bpe(tokens, merges, gguf_field(reader, "tokenizer.ggml.pre"))
+            add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token", False)
+        _add_gguf_specials(
+            hf, tokens, gguf_field(reader, "tokenizer.ggml.token_type", []), model == "gpt2"
+        )
+        if add_bos and "bos" in named:
             hf.post_processor = _bos_processor(named["bos"], hf.token_to_id(named["bos"]))
         return cls(
             hf,
@@ -254,6 +341,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text are matched as specials."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw prompt, as transformers' ``tokenizer(text)`` gives them: with
+        the BOS the vocabulary asks for (Gemma, Llama 2: SentencePiece GGUFs; tokenizer.json
+        post-processors), none where it asks for none (byte-level GGUFs without
+        add_bos_token)."""
+        return self.encode(text, add_special_tokens=True)
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on ``len(self.encode(text))``, in O(1): no token covers more than

@@ -44,10 +44,17 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of the flat batch's queries [T, Hq, D] over their sequences' caches."""
-    impl = cuda if query.is_cuda else reference
-    return impl.paged_attention(query, key_cache, value_cache, meta, scale)
+    """Attention of the flat batch's queries [T, Hq, D] over their sequences' caches; a
+    ``window`` / ``softcap`` as kernels/reference.py applies them (the CUDA kernels have
+    neither: the engine refuses such a model there, check_backend)."""
+    if query.is_cuda:
+        if window is not None or softcap is not None:
+            raise ValueError("the CUDA attention kernels mask no sliding window, cap no logits")
+        return cuda.paged_attention(query, key_cache, value_cache, meta, scale)
+    return reference.paged_attention(query, key_cache, value_cache, meta, scale, window, softcap)
 
 
 def check_backend(

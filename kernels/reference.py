@@ -94,11 +94,16 @@ def paged_attention(
     value_cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Attend query [T, H, D] over the paged cache; returns [T, H, D] in the query dtype.
 
     Query head h reads KV head ``h // (H // Hkv)``. Sequence i's j-th query sits at
-    position ``context_lens[i] - query_len + j`` and sees keys at positions <= it.
+    position ``context_lens[i] - query_len + j`` and sees keys at positions <= it, and with
+    a ``window`` only the last ``window`` of them (itself included: p - window < key <= p).
+    ``softcap``: scores become tanh(s / softcap) * softcap before the mask (Gemma 2), as
+    transformers' eager attention computes them.
     """
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     if num_heads % num_kv_heads != 0:
@@ -106,20 +111,25 @@ def paged_attention(
     starts = _host_starts(meta.query_lens)
     decode = [i for i, qlen in enumerate(meta.query_lens) if qlen == 1]
     groups = _decode_groups(decode, meta.context_lens_host)
+    extra = (window, softcap)
     if len(groups) == 1 and len(decode) == meta.num_seqs == query.shape[0]:
-        return _decode_attention(query, key_cache, value_cache, meta, None, scale)
+        return _decode_attention(query, key_cache, value_cache, meta, None, scale, *extra)
     # Rows no sequence owns (batch padding) must come back finite, so zero them.
     covered = starts[-1] == query.shape[0]
     out = torch.empty_like(query) if covered else torch.zeros_like(query)
     for group in groups:
         rows = torch.tensor([starts[i] for i in group], dtype=torch.int64, device=query.device)
         decode_query = query.index_select(0, rows)
-        attended = _decode_attention(decode_query, key_cache, value_cache, meta, group, scale)
+        attended = _decode_attention(
+            decode_query, key_cache, value_cache, meta, group, scale, *extra
+        )
         out.index_copy_(0, rows, attended)
     for i, qlen in enumerate(meta.query_lens):
         if qlen > 1:
             s, e = starts[i], starts[i] + qlen
-            out[s:e] = _prefill_attention(query[s:e], key_cache, value_cache, meta, i, scale)
+            out[s:e] = _prefill_attention(
+                query[s:e], key_cache, value_cache, meta, i, scale, *extra
+            )
     return out
 
 
@@ -162,6 +172,8 @@ def _decode_attention(
     meta: AttentionMetadata,
     seqs: list[int] | None,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """One query per sequence ``seqs`` (None = all): query [S, H, D] -> [S, H, D]."""
     num_seqs, num_heads, head_dim = query.shape
@@ -174,7 +186,8 @@ def _decode_attention(
         tables, lens = meta.block_tables[index], meta.context_lens[index]
         max_len = max(meta.context_lens_host[i] for i in seqs)
     keys, values = _gather_kv(key_cache, value_cache, tables, max_len)  # [S, L, Hkv, D]
-    valid = torch.arange(keys.shape[1], device=query.device)[None, :] < lens[:, None].long()
+    key_pos = torch.arange(keys.shape[1], device=query.device)[None, :]
+    valid = key_pos < lens[:, None].long()
     # Slots past context_len may hold garbage (even NaN), and masking cannot remove it:
     # SDPA adds the mask as -inf (NaN + -inf = NaN) and 0 * NaN = NaN in P @ V. So zero
     # those K/V rows; the cost scales with the padded rows only.
@@ -183,12 +196,11 @@ def _decode_attention(
     values.view(-1, num_kv_heads * head_dim).index_fill_(0, padded_rows, 0.0)
     # GQA without repeating K/V: each KV head's query group acts as G queries of one "sequence".
     q = query.to(torch.float32).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        q,
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
+    visible = valid
+    if window is not None:  # the query sits at lens - 1: keys past lens - 1 - window hidden
+        visible = valid & (key_pos > lens[:, None].long() - 1 - window)
+    out = _attend(
+        q, keys.transpose(1, 2), values.transpose(1, 2), visible[:, None, None, :], scale, softcap
     )
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
@@ -216,6 +228,8 @@ def _prefill_attention(
     meta: AttentionMetadata,
     seq: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """A chunk of queries [Q, H, D] of sequence ``seq`` over its cached tokens -> [Q, H, D]."""
     qlen = query.shape[0]
@@ -227,6 +241,12 @@ def _prefill_attention(
     # A square chunk's bottom-right mask is the ordinary causal one, and SDPA's is_causal
     # path skips the masked half (~1.5x faster than an explicit mask at 1024 tokens).
     square = qlen == ctx
+    if window is not None or softcap is not None:
+        mask = _visible_mask(qlen, ctx, query.device, window)
+        group = q.shape[0] // keys.shape[0]
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        out = _attend(q[None], keys[None], values[None], mask, scale, softcap)
+        return out[0].transpose(0, 1).to(query.dtype)
     mask = None if square else _visible_mask(qlen, ctx, query.device)
     out = F.scaled_dot_product_attention(
         q[None],
@@ -240,8 +260,26 @@ def _prefill_attention(
     return out[0].transpose(0, 1).to(query.dtype)
 
 
-def _visible_mask(qlen: int, ctx: int, device: torch.device) -> Tensor:
-    """[Q, ctx] True where the key is at or before the query (bottom-right aligned causal)."""
+def _visible_mask(qlen: int, ctx: int, device: torch.device, window: int | None = None) -> Tensor:
+    """[Q, ctx] True where the key is at or before the query (bottom-right aligned causal),
+    and with a window, after the query's position minus the window."""
     q_pos = torch.arange(ctx - qlen, ctx, device=device)
     k_pos = torch.arange(ctx, device=device)
-    return k_pos[None, :] <= q_pos[:, None]
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None
+) -> Tensor:
+    """softmax(q k^T * scale, soft-capped, masked) v over [..., L, D] (k, v broadcast over
+    q's leading dims); SDPA when there is no soft-cap. Every query sees at least itself."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # transformers' eager attention: (q k^T) * scale, / cap, tanh, * cap, masked, softmax.
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)

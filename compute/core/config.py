@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# MLP activations of the gated MLP: silu (SwiGLU, Llama) and tanh-approximated GELU (GeGLU,
+# Gemma's gelu_pytorch_tanh).
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,8 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
     rope_freq_factors: tuple[float, ...] | None = None
-    # Tokens a query attends to (itself included), on every layer; None = all. The kernels do
-    # not mask by window, so the engine serves such a model only within max_model_len <=
-    # sliding_window, where the window changes nothing (compute/engine.py).
+    # Tokens a query attends to (itself included) on its sliding layers; None = all. Masked
+    # by absolute position in every kernel path (kernels/reference.py, kernels/csrc/cpu).
     sliding_window: int | None = None
     # Mixture of experts (compute/moe.py): 0 experts = a dense MLP on every layer. Otherwise
     # each token's MLP is the num_experts_per_tok experts its router scores highest (of
@@ -57,6 +60,24 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # Each layer's attention, "full" or "sliding" (LAYER_TYPES); None = every layer slides
+    # when sliding_window is set (Mistral), Gemma 2/3 alternate.
+    layer_types: tuple[str, ...] | None = None
+    # RoPE base of the sliding layers (Gemma 3's rope_local_base_freq, default RoPE); None =
+    # rope_theta and the model's RoPE type on every layer.
+    rope_local_theta: float | None = None
+    # Gemma-style deltas: the gated MLP's activation (ACTIVATIONS); embeddings times
+    # embed_scale (sqrt(hidden)); RMSNorms of the attention and MLP outputs before the
+    # residual add (sandwich_norms: HF post_attention_layernorm / post_feedforward_layernorm,
+    # pre_feedforward_layernorm the MLP's input norm); attention scaled by
+    # query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5; soft-capping
+    # (tanh(x / cap) * cap) of the attention scores and of the final logits.
+    hidden_act: str = "silu"
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -96,6 +117,72 @@ class ModelConfig:
                 f"mixture of experts: {self.num_experts_per_tok} experts per token of "
                 f"{self.num_experts}, moe_intermediate_size {self.moe_intermediate_size}"
             )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types must name {self.num_layers} layers, got {len(self.layer_types)}"
+                )
+            if set(self.layer_types) - set(LAYER_TYPES):
+                raise ValueError(f"layer_types must be {' or '.join(LAYER_TYPES)}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}"
+            )
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (tokens, itself included); None = all."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding":
+            return None
+        return self.sliding_window
+
+    @property
+    def sliding_layers(self) -> int:
+        """How many layers attend within the sliding window."""
+        return sum(self.layer_window(i) is not None for i in range(self.num_layers))
+
+    def features(self) -> tuple[str, ...]:
+        """Every way this model differs from a plain Llama decoder, one string each, in use
+        (GetModelInfo's features)."""
+        out = []
+        if self.sliding_window is not None:
+            out.append(
+                f"sliding_window={self.sliding_window} "
+                f"({self.sliding_layers} of {self.num_layers} layers)"
+            )
+        if self.rope_type != "default":
+            out.append(f"rope={self.rope_type} (factor {self.rope_factor:g})")
+        if self.rope_freq_factors is not None:
+            out.append("rope_freq_factors")
+        if self.rope_local_theta is not None:
+            out.append(f"rope_local_theta={self.rope_local_theta:g}")
+        flags = {
+            "qkv_bias": self.qkv_bias,
+            "qk_norm": self.qk_norm,
+            "gelu_tanh_mlp": self.hidden_act == "gelu_tanh",
+            "sandwich_norms": self.sandwich_norms,
+        }
+        out += [name for name, on in flags.items() if on]
+        values = {
+            "embed_scale": None if self.embed_scale == 1.0 else self.embed_scale,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "attn_logit_softcapping": self.attn_logit_softcap,
+            "final_logit_softcapping": self.final_logit_softcap,
+        }
+        out += [f"{name}={value:g}" for name, value in values.items() if value is not None]
+        return tuple(out)
+
+    @property
+    def attn_scale(self) -> float:
+        """What attention scores are multiplied by before the softmax."""
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar**-0.5
+        return self.head_dim**-0.5
 
     @property
     def q_size(self) -> int:

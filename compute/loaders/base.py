@@ -62,6 +62,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer_mlp = moe_shapes(config) if config.is_moe_layer(i) else mlp
         for name, shape in {**projections, **layer_mlp}.items():
             shapes[f"{prefix}{name}.weight"] = shape
+        if config.sandwich_norms:  # Gemma: norms of the attention and MLP outputs too
+            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                shapes[f"{prefix}{name}.weight"] = (hidden,)
         if config.qk_norm:
             shapes[prefix + "self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[prefix + "self_attn.k_norm.weight"] = (config.head_dim,)

@@ -28,7 +28,22 @@ from kernels.quant import QuantizedWeight
 
 log = get_logger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "qwen3moe",
+    "gemma2",
+    "gemma3",
+)
+# Gemma's deltas (compute/core/config.py); the converter has folded its (1 + w) into the norms.
+_GEMMA = ("gemma2", "gemma3")
+# llama.cpp's sliding/full layer pattern when the file lists none (llama-hparams
+# set_swa_pattern: layer i slides when i % n < n - 1), and its RoPE base of sliding layers.
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_SWA_ROPE_BASE = {"gemma3": 10000.0}
 # llama.cpp's converter permutes Q/K rows of these for its rotary layout (see _unpermute).
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -57,6 +72,12 @@ _BLOCK_NAMES = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp")
+# Gemma's norms: ffn_norm is the MLP's input norm, the other two its sandwich norms.
+_GEMMA_NORM_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ RoPE scaling: llama.cpp's per-frequency divisors, read into the config.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -134,6 +155,8 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
     head_dim = gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads)
     max_positions = gguf_field(reader, f"{arch}.context_length", 4096)
     window = gguf_field(reader, f"{arch}.attention.sliding_window")
+    num_layers = _required(reader, path, f"{arch}.block_count")
+    window = int(window) if window and window < max_positions else None
     try:
         return ModelConfig(
             name=path.name.removesuffix(".gguf"),
@@ -141,7 +164,7 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
             vocab_size=int(names["token_embd.weight"].shape[1]),  # ggml order: [hidden, vocab]
             hidden_size=hidden,
             intermediate_size=_required(reader, path, f"{arch}.feed_forward_length"),
-            num_layers=_required(reader, path, f"{arch}.block_count"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads),
             head_dim=head_dim,
@@ -151,7 +174,8 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
             tie_word_embeddings="output.weight" not in names,
             qkv_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
-            sliding_window=int(window) if window and window < max_positions else None,
+            sliding_window=window,
+            **_gemma(reader, path, arch, hidden, num_layers, window),
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tokenizer.eos_token_ids,
             **_rope(reader, path, arch, head_dim, names),
@@ -159,6 +183,40 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
         )
     except ValueError as err:
         raise ModelLoadError(f"{path}: inconsistent metadata: {err}") from err
+
+
+def _gemma(
+    reader: gguf.GGUFReader, path: Path, arch: str, hidden: int, layers: int, window: int | None
+) -> dict[str, Any]:
+    """ModelConfig's Gemma fields as llama.cpp reads them (none for other architectures)."""
+    if arch not in _GEMMA:
+        return {}
+    fields: dict[str, Any] = {"hidden_act": "gelu_tanh", "embed_scale": hidden**0.5}
+    fields["sandwich_norms"] = True
+    for key, field in (
+        ("attn_logit_softcapping", "attn_logit_softcap"),
+        ("final_logit_softcapping", "final_logit_softcap"),
+    ):
+        cap = gguf_field(reader, f"{arch}.{key}")
+        fields[field] = _f32(cap) if cap else None
+    # llama.cpp scales by head_dim ** -0.5, but by (hidden / heads) ** -0.5 on the 27B
+    # models (their query_pre_attn_scalar), which it recognises by their layer count.
+    if layers == {"gemma2": 46, "gemma3": 62}[arch]:
+        heads = _required(reader, path, f"{arch}.attention.head_count")
+        fields["query_pre_attn_scalar"] = float(hidden // heads)
+    if window is not None:
+        pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            fields["layer_types"] = tuple("sliding" if p else "full" for p in pattern)
+        else:
+            n = int(pattern or _SWA_PATTERN[arch])
+            fields["layer_types"] = tuple(
+                "sliding" if i % n < n - 1 else "full" for i in range(layers)
+            )
+        if arch in _SWA_ROPE_BASE:
+            base = gguf_field(reader, f"{arch}.rope.freq_base_swa", _SWA_ROPE_BASE[arch])
+            fields["rope_local_theta"] = _f32(base)
+    return fields
 
 
 def _rope(
@@ -234,14 +292,15 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
+    names = {**_BLOCK_NAMES, **_GEMMA_NORM_NAMES} if arch in _GEMMA else _BLOCK_NAMES
+    if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def _unpermute(weight: torch.Tensor | QuantizedWeight, num_heads: int):
@@ -306,7 +365,7 @@ def _read_weights(
     unsupported: dict[str, list[str]] = {}  # quantized type -> tensors dequantized anyway
     bar = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress)
     for tensor in bar:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.architecture)
         if name is None:
             if tensor.name == _ROPE_FREQS:
                 continue  # in the config (_rope)

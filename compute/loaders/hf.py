@@ -31,7 +31,15 @@ SUPPORTED_MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",  # mixture of experts (compute/moe.py)
     "mixtral": "MixtralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# Gemma's deltas (compute/core/config.py): sqrt(hidden)-scaled embeddings, RMSNorms of
+# (1 + weight) (folded into the weights at load), sandwich norms, GeGLU, query_pre_attn_scalar,
+# soft-caps, alternating sliding / full layers (Gemma 3: each with its own RoPE base).
+_GEMMA = ("gemma2", "gemma3_text")
+# transformers' activation names -> ModelConfig.hidden_act; Llama-style families take silu only.
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Model types whose `sliding_window` applies to every layer whenever it is set; Qwen2/3 apply
 # it only with use_sliding_window, from layer max_window_layers on.
 _WINDOW_EVERYWHERE = ("mistral", "phi3", "mixtral")
@@ -114,6 +122,8 @@ def _model_type(raw: dict[str, Any], path: Path) -> str:
         )
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise ModelLoadError(f"{path / 'config.json'}: o_proj/MLP biases are not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise _refuse(path, "use_bidirectional_attention", "true (an encoder, not a decoder)")
     return model_type
 
 
@@ -121,12 +131,22 @@ def _refuse(path: Path, setting: str, why: str) -> ModelLoadError:
     return ModelLoadError(f"{path / 'config.json'}: {setting}: {why}; headrace cannot serve it")
 
 
-def _rope(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+def _rope(raw: dict[str, Any], path: Path, model_type: str = "llama") -> dict[str, Any]:
     """ModelConfig's RoPE fields; a RoPE setting headrace does not honour is refused."""
     # transformers 5 nests RoPE settings under rope_parameters; 4.x kept them at the top level.
     params = raw.get("rope_parameters") or {}
+    local: dict[str, Any] = {}
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise _refuse(path, "rope_parameters", f"per-layer-type RoPE ({', '.join(params)})")
+        if model_type != "gemma3_text" or set(params) != {"full_attention", "sliding_attention"}:
+            raise _refuse(path, "rope_parameters", f"per-layer-type RoPE ({', '.join(params)})")
+        local, params = params["sliding_attention"], params["full_attention"]
+    elif model_type == "gemma3_text":  # transformers 4.x
+        local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    if local.get("rope_type", "default") != "default":
+        raise _refuse(
+            path, "rope_parameters", f"sliding layers' RoPE type {local['rope_type']!r} "
+            "(only default)"
+        )  # fmt: skip
     scaling = raw.get("rope_scaling") or params
     rope_type = scaling.get("rope_type", scaling.get("type")) or "default"
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -138,6 +158,8 @@ def _rope(raw: dict[str, Any], path: Path) -> dict[str, Any]:
             path, "rope_scaling", f"RoPE type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
         )
     fields: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
+    if local:
+        fields["rope_local_theta"] = float(local.get("rope_theta", 10000.0))
     keys = {
         "default": {},
         "linear": {"factor": "rope_factor"},
@@ -163,7 +185,7 @@ def _sliding_window(raw: dict[str, Any], model_type: str, num_layers: int) -> in
     layer_types = raw.get("layer_types")
     if layer_types is not None:  # transformers 5 spells out each layer's kind
         return int(window) if "sliding_attention" in layer_types else None
-    if model_type in _WINDOW_EVERYWHERE:
+    if model_type in _WINDOW_EVERYWHERE or model_type in _GEMMA:
         return int(window)
     first = raw.get("max_window_layers", 0)
     return int(window) if raw.get("use_sliding_window") and first < num_layers else None
@@ -198,6 +220,40 @@ def _moe(raw: dict[str, Any], path: Path, model_type: str, num_layers: int) -> d
     }
 
 
+def _layer_types(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[str, ...]:
+    """Each layer's attention, "sliding" or "full", as transformers builds it."""
+    names = raw.get("layer_types")
+    if names is not None:
+        return tuple("sliding" if t == "sliding_attention" else "full" for t in names)
+    if model_type == "gemma2":  # transformers 4.x: even layers slide
+        return tuple("full" if i % 2 else "sliding" for i in range(num_layers))
+    if model_type == "gemma3_text":
+        pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6)))
+        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
+    if model_type in _WINDOW_EVERYWHERE:
+        return ("sliding",) * num_layers
+    first = raw.get("max_window_layers", 0) if raw.get("use_sliding_window") else num_layers
+    return tuple("sliding" if i >= first else "full" for i in range(num_layers))
+
+
+def _gemma(raw: dict[str, Any], model_type: str, hidden: int) -> dict[str, Any]:
+    """ModelConfig's Gemma fields (none for other families)."""
+    if model_type not in _GEMMA:
+        return {}
+    caps = {
+        "attn_logit_softcap": raw.get("attn_logit_softcapping"),
+        "final_logit_softcap": raw.get("final_logit_softcapping"),
+    }
+    scalar = raw.get("query_pre_attn_scalar")
+    return {
+        "embed_scale": hidden**0.5,
+        "sandwich_norms": True,
+        "qk_norm": model_type == "gemma3_text",
+        "query_pre_attn_scalar": float(scalar) if scalar is not None else None,
+        **{k: float(v) if v else None for k, v in caps.items()},
+    }
+
+
 def _ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -215,15 +271,27 @@ def _eos_ids(raw: dict[str, Any], path: Path, tokenizer: Tokenizer) -> tuple[int
 
 def _config(raw: dict[str, Any], path: Path, tokenizer: Tokenizer) -> ModelConfig:
     model_type = _model_type(raw, path)
-    activation = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
-    if activation != "silu":
-        raise _refuse(path, "hidden_act", f"{activation!r} (only silu, SwiGLU MLPs)")
+    if model_type in _GEMMA:  # Gemma reads hidden_activation (hidden_act is a legacy alias)
+        activation = raw.get("hidden_activation") or raw.get("hidden_act", "gelu_pytorch_tanh")
+        if activation not in _ACTIVATIONS:
+            raise _refuse(path, "hidden_activation", f"{activation!r} (gelu_pytorch_tanh, silu)")
+    else:
+        activation = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+        if activation != "silu":
+            raise _refuse(path, "hidden_act", f"{activation!r} (only silu, SwiGLU MLPs)")
     try:
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         layers = int(raw["num_hidden_layers"])
         bos = raw.get("bos_token_id", tokenizer.bos_token_id)
         max_positions = int(raw.get("max_position_embeddings", 4096))
         window = _sliding_window(raw, model_type, layers)
+        if window is not None and window >= max_positions:
+            window = None
+        fields = {
+            "qkv_bias": model_type == "qwen2",
+            "qk_norm": model_type in ("qwen3", "qwen3_moe"),
+            **_gemma(raw, model_type, hidden),
+        }
         return ModelConfig(
             name=path.name,
             architecture=model_type,
@@ -237,12 +305,13 @@ def _config(raw: dict[str, Any], path: Path, tokenizer: Tokenizer) -> ModelConfi
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            sliding_window=window if window is not None and window < max_positions else None,
+            hidden_act=_ACTIVATIONS[activation],
+            sliding_window=window,
+            layer_types=_layer_types(raw, model_type, layers) if window is not None else None,
             bos_token_id=_ids(bos)[0] if _ids(bos) else None,
             eos_token_ids=_eos_ids(raw, path, tokenizer),
-            **_rope(raw, path),
+            **fields,
+            **_rope(raw, path, model_type),
             **_moe(raw, path, model_type, layers),
         )
     except ModelLoadError:
@@ -309,7 +378,10 @@ def _read_weights(
                         continue
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue  # tied checkpoints sometimes store the copy too
-                    tensor = shard.get_tensor(name).to(device=device, dtype=dtype)
+                    tensor = shard.get_tensor(name)
+                    if config.architecture in _GEMMA and name.endswith("norm.weight"):
+                        tensor = 1.0 + tensor.float()  # Gemma's RMSNorm scales by (1 + w)
+                    tensor = tensor.to(device=device, dtype=dtype)
                     name = _expert_name(name)
                     if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
                         weights.update(_split_experts(name, tensor, config))

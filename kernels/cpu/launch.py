@@ -32,8 +32,10 @@ _SIGNATURES = {
     "hr_dequantize_tiled": (_I, _P, _I, _P, _I, _P),
     "hr_rms_norm": (_P, _P, _P, _I, _I, _F),
     "hr_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
+    "hr_head_rms_norm": (_P, _P, _I, _I, _I, _I, _F),
     "hr_silu_mul": (_P, _P, _I, _I),
-    "hr_paged_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I),
+    "hr_gelu_tanh_mul": (_P, _P, _I, _I),
+    "hr_paged_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _F),
     "hr_rope_and_cache": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I),
     "hr_set_num_threads": (_I,),
     # table, experts, int8, x, tokens, h, inter, top_k, ids, weights, out, four scratch buffers
@@ -47,7 +49,7 @@ _SIGNATURES = {
 # int8 cache row is head_dim codes and an fp32 scale (kernels/reference.py kv_row_width).
 KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 # Fields per layer of decoder_table (kernels/csrc/cpu/decoder.cpp kLayerFields).
-_LAYER_FIELDS = 20
+_LAYER_FIELDS = 21
 
 
 @functools.cache
@@ -229,6 +231,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, check: bool = True) -> Tenso
     return out
 
 
+def head_rms_norm(
+    qkv: Tensor, weight: Tensor, start: int, heads: int, eps: float, check: bool = True
+) -> None:
+    """In place: RMSNorm of each of the `heads` head slices that begin at column `start` of
+    every row of the fused qkv [T, width], by weight [head_dim] (per-head q/k norms)."""
+    tokens, width = qkv.shape
+    dim = weight.shape[0]
+    if check:
+        _check("qkv", qkv, torch.float32, (tokens, width))
+        _check("weight", weight, torch.float32, (dim,))
+        if dim % 16 or start + heads * dim > width:
+            raise ValueError(f"head_rms_norm: {heads} heads of {dim} from {start} in {width}")
+    if tokens:
+        library().hr_head_rms_norm(
+            qkv.data_ptr() + 4 * start, weight.data_ptr(), tokens, width, heads, dim, eps
+        )
+
+
 def add_rms_norm(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float, check: bool = True
 ) -> Tensor:
@@ -247,11 +267,22 @@ def add_rms_norm(
 
 def silu_mul(gate_up: Tensor, check: bool = True) -> Tensor:
     """gate_up [n, 2 * i] -> silu(gate) * up [n, i]."""
+    return _gated(gate_up, "hr_silu_mul", check)
+
+
+def gelu_tanh_mul(gate_up: Tensor, check: bool = True) -> Tensor:
+    """gate_up [n, 2 * i] -> gelu_tanh(gate) * up [n, i] (Gemma's GeGLU)."""
+    return _gated(gate_up, "hr_gelu_tanh_mul", check)
+
+
+def _gated(gate_up: Tensor, kernel: str, check: bool) -> Tensor:
     n, width = gate_up.shape
     if check:
         _check("gate_up", gate_up, torch.float32, (n, width))
+        if width % 32:
+            raise ValueError(f"gate_up: width must be a multiple of 32, got {width}")
     out = torch.empty(n, width // 2, dtype=torch.float32)
-    library().hr_silu_mul(gate_up.data_ptr(), out.data_ptr(), n, width // 2)
+    getattr(library(), kernel)(gate_up.data_ptr(), out.data_ptr(), n, width // 2)
     return out
 
 
@@ -306,8 +337,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     check: bool = True,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """Attention of query [T, H, D] over the paged caches (kernels/metadata.py's layout)."""
+    """Attention of query [T, H, D] over the paged caches (kernels/metadata.py's layout);
+    ``window`` and ``softcap`` as kernels/reference.py paged_attention applies them."""
     tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if check:
@@ -331,13 +365,16 @@ def paged_attention(
         scale,
         out.data_ptr(),
         KV_DTYPE_CODES[key_cache.dtype],
+        window or 0,
+        softcap or 0.0,
     )
     return out
 
 
 def decoder_table(layers: list, final_norm: Tensor, kv_caches: list) -> Tensor:
     """The int64 table hr_decoder_layers reads: per layer the four projections (weight,
-    block format, rows, bias or 0), post-attention norm, next input norm, K and V caches.
+    block format, rows, bias or 0), post-attention norm, next input norm, K and V caches,
+    sliding window (0 = none).
 
     ``layers``: compute.model.LayerWeights whose projections are all quantized, in the
     layout their kernel reads (checked here, once per table, not per step)."""
@@ -361,7 +398,7 @@ def decoder_table(layers: list, final_norm: Tensor, kv_caches: list) -> Tensor:
             raise ValueError("kv_caches: every layer's caches must have one dtype")
         _check_caches(key_cache, value_cache, (None, None, None, None))
         row += [layer.post_norm.data_ptr(), next_norm.data_ptr()]
-        row += [key_cache.data_ptr(), value_cache.data_ptr()]
+        row += [key_cache.data_ptr(), value_cache.data_ptr(), layer.window or 0]
         table[i] = torch.tensor(row, dtype=torch.int64)
     return table
 

@@ -211,4 +211,11 @@ def model_info_to_pb(info: ModelInfo) -> pb.GetModelInfoResponse:
         grammar_compile_timeout_seconds=info.grammar_compile_timeout_seconds,
         grammar_cache_size=info.grammar_cache_size,
         max_constraint_chars=info.max_constraint_chars,
+        rope_type=info.rope_type,
+        sliding_window=info.sliding_window,
+        sliding_window_layers=info.sliding_window_layers,
+        num_layers=info.num_layers,
+        attn_logit_softcapping=info.attn_logit_softcapping,
+        final_logit_softcapping=info.final_logit_softcapping,
+        features=info.features,
     )

@@ -108,6 +108,14 @@ class ModelInfo:
     grammar_compile_timeout_seconds: float = 0.0
     grammar_cache_size: int = 0
     max_constraint_chars: int = 0
+    # The architecture deltas in use (compute.core.config.ModelConfig.features).
+    rope_type: str = "default"
+    sliding_window: int = 0  # 0 = no sliding layer
+    sliding_window_layers: int = 0
+    num_layers: int = 0
+    attn_logit_softcapping: float = 0.0  # 0 = none
+    final_logit_softcapping: float = 0.0
+    features: tuple[str, ...] = ()
 
 
 class ResourceExhausted(RequestError):

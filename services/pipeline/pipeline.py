@@ -241,6 +241,13 @@ class Pipeline:
             cuda_graph_batch_sizes=engine.cuda_graph_batch_sizes,
             async_output=engine.async_output,
             **self._grammars.info(),
+            rope_type=model.rope_type,
+            sliding_window=model.sliding_window or 0,
+            sliding_window_layers=model.sliding_layers,
+            num_layers=model.num_layers,
+            attn_logit_softcapping=model.attn_logit_softcap or 0.0,
+            final_logit_softcapping=model.final_logit_softcap or 0.0,
+            features=model.features(),
         )
 
     def engine_stats(self) -> EngineStats:

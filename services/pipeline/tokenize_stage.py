@@ -96,7 +96,7 @@ class TokenizeStage:
                 f"prompt of at least {at_least} tokens ({len(text)} characters) leaves no room "
                 f"for output within max_model_len {limit}",
             )
-        return tokenizer.encode(text)
+        return tokenizer.encode_prompt(text)
 
     def _chat_ids(self, chat: tuple[ChatMessage, ...], add_generation_prompt: bool) -> list[int]:
         tokenizer = self._require_tokenizer("chat")

@@ -150,6 +150,9 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
             max_context_length=info.max_model_len,
             max_req_input_len=info.max_model_len - 1,
             vocab_size=info.vocab_size,
+            # vLLM's message has no field for the architecture's deltas (sliding window,
+            # RoPE type, soft-caps): headrace's own GetModelInfo reports them.
+            model_type=info.architecture,
             architectures=[info.architecture],
             eos_token_ids=list(info.eos_token_ids),
         )

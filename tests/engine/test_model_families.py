@@ -18,11 +18,11 @@ import torch
 
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.core.sampling_params import SamplingParams
-from compute.engine import Engine
+from compute.engine import Engine, _max_model_len
 from compute.loaders import ModelLoadError, load_model
 from compute.loaders.base import LoadedModel
 from compute.loaders.default_model import default_model_path
-from compute.loaders.hf import _sliding_window
+from compute.loaders.hf import _layer_types, _sliding_window
 from compute.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -64,14 +64,33 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+WINDOW = 24  # tokens; every prompt but the last is longer
+GEMMA = {
+    "num_hidden_layers": 3,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "sliding_window": WINDOW,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 24,
+    "pad_token_id": 0,
+}
 FAMILIES = {
     "llama3": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE}),
     "llama-linear": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "attention_bias": False}),
     "phi3": ("Phi3Config", {"pad_token_id": 0, "sliding_window": None}),
-    # transformers applies the window; headrace serves within it (max_model_len capped).
-    "mistral-window": ("MistralConfig", {"sliding_window": 96}),
-}
+    # Windows shorter than the prompts: the kernels mask by absolute position.
+    "mistral-window": ("MistralConfig", {"sliding_window": WINDOW}),
+    # Gemma 3: two sliding layers (RoPE base 1e4) and a full one (1e6), explicit head_dim
+    # and query_pre_attn_scalar other than it, q/k norms, GeGLU, sandwich norms.
+    "gemma3": ("Gemma3TextConfig", {**GEMMA, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    }}),
+    # Gemma 2: sliding / full alternating, attention and final logit soft-capping.
+    "gemma2": ("Gemma2Config", {**GEMMA, "attn_logit_softcapping": 20.0,
+                                "final_logit_softcapping": 15.0}),
+}  # fmt: skip
+GEMMA_FAMILIES = ("gemma3", "gemma2")
 
 
 def _smollm2_tokenizer(directory: Path) -> None:
@@ -90,13 +109,25 @@ def _smollm2_tokenizer(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def build_hf_model(directory: Path, family: str, seed: int = 0):
-    """A tiny random-weight `family` model saved to `directory` (safetensors + tokenizer);
-    returns the transformers model (fp32, eval)."""
+def build_hf_model(directory: Path, family: str, seed: int = 0, **overrides):
+    """A tiny random-weight `family` model (its config changed by `overrides`) saved to
+    `directory` (safetensors + tokenizer); returns the transformers model (fp32, eval)."""
     config_class, extra = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**SMALL, **extra})
+    config = getattr(transformers, config_class)(**{**SMALL, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if family in GEMMA_FAMILIES:  # Gemma initialises its (1 + w) norms to w = 0: make w count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.2)
+                # The residual stream starts as embeddings x sqrt(hidden): with unit-gain
+                # output norms the layers barely move it and the tied head echoes the last
+                # token whatever attention does. Gains of ~4 make attention decide.
+                if name.endswith(
+                    ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
+                ):
+                    param.normal_(3.0, 0.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
     _smollm2_tokenizer(directory)
@@ -145,6 +176,8 @@ def test_greedy_equals_transformers(family, kernels: str) -> None:
     engine = engine_for(path, kernels)
     if name.startswith("llama"):  # the prompts reach past the original context
         assert max(len(p) for p in prompts) > LLAMA3_ROPE["original_max_position_embeddings"]
+    if name in ("mistral-window", *GEMMA_FAMILIES):  # and past the sliding window
+        assert min(len(p) for p in prompts[:2]) > WINDOW
     one_at_a_time = [engine.generate([ids], GREEDY)[0].token_ids for ids in prompts]
     assert one_at_a_time == expected
     batched = [out.token_ids for out in engine.generate(prompts, GREEDY)]
@@ -157,10 +190,10 @@ def test_chunked_prefill_equals_transformers(family) -> None:
     assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == expected
 
 
-def test_llama3_through_the_grpc_server_equals_transformers(family) -> None:
+def test_through_the_grpc_server_equals_transformers(family) -> None:
     name, path, prompts, expected = family
-    if name != "llama3":
-        pytest.skip("once, on the Llama 3.x model")
+    if name not in ("llama3", "gemma3"):
+        pytest.skip("once, on the Llama 3.x model, once on Gemma 3")
     from services.gen.headrace.v1 import generation_pb2 as pb
     from tests.conftest import running_server
 
@@ -174,6 +207,18 @@ def test_llama3_through_the_grpc_server_equals_transformers(family) -> None:
     ]
     got: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     with running_server(engine_for(path, "native")) as running:
+        info = running.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
+        if name == "gemma3":  # the architecture and the deltas in use
+            assert info.architecture == "gemma3_text" and info.rope_type == "default"
+            assert (info.sliding_window, info.sliding_window_layers, info.num_layers) == (
+                WINDOW, 2, 3)  # fmt: skip
+            assert info.attn_logit_softcapping == 0 and info.final_logit_softcapping == 0
+            assert {"qk_norm", "gelu_tanh_mlp", "sandwich_norms", "rope_local_theta=10000",
+                    "query_pre_attn_scalar=24", f"sliding_window={WINDOW} (2 of 3 layers)",
+                    } <= set(info.features)  # fmt: skip
+        else:
+            assert info.rope_type == "llama3" and info.sliding_window == 0
+            assert list(info.features) == ["rope=llama3 (factor 8)"]
         batch = pb.GenerateBatchRequest(requests=requests)
         for response in running.stub().GenerateBatch(batch, timeout=120):
             if response.HasField("chunk"):
@@ -193,8 +238,21 @@ def test_loaded_config_carries_the_family_settings(family) -> None:
     if name == "phi3":
         assert cfg.architecture == "phi3" and cfg.sliding_window is None
     if name == "mistral-window":
-        assert cfg.sliding_window == 96
-        assert engine_for(path, "torch").max_model_len == 96
+        assert cfg.sliding_window == WINDOW and cfg.layer_window(1) == WINDOW
+        assert engine_for(path, "torch").max_model_len == 512  # no cap: the window is applied
+    if name in GEMMA_FAMILIES:
+        assert cfg.hidden_act == "gelu_tanh" and cfg.sandwich_norms and cfg.head_dim == 32
+        assert cfg.embed_scale == 64**0.5 and cfg.attn_scale == 24**-0.5
+        assert [cfg.layer_window(i) for i in range(3)] == [WINDOW, None, WINDOW]
+    if name == "gemma3":
+        assert cfg.qk_norm and (cfg.rope_theta, cfg.rope_local_theta) == (1e6, 1e4)
+        assert cfg.attn_logit_softcap is None and cfg.final_logit_softcap is None
+    if name == "gemma2":
+        assert not cfg.qk_norm and cfg.rope_local_theta is None
+        assert (cfg.attn_logit_softcap, cfg.final_logit_softcap) == (20.0, 15.0)
+        assert {"attn_logit_softcapping=20", "final_logit_softcapping=15"} <= set(cfg.features())
+    if name == "phi3":
+        assert cfg.features() == ()
 
 
 # --- what headrace does not honour is refused, never served wrong ------------------------
@@ -265,7 +323,8 @@ def test_both_rope_spellings_give_the_same_config(llama_dir: Path, tmp_path: Pat
     ("changes", "match"),
     [
         ({"model_type": "gemma3", "architectures": None}, r"unsupported architecture 'gemma3' "
-         r"\(supported: llama, mistral, qwen2, qwen3, phi3, qwen3_moe, mixtral\)"),
+         r"\(supported: llama, mistral, qwen2, qwen3, phi3, qwen3_moe, mixtral, gemma2, "
+         r"gemma3_text\)"),
         ({"hidden_act": "gelu_pytorch_tanh"}, r"hidden_act: 'gelu_pytorch_tanh'"),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor: 0.5"),
         ({"rope_parameters": {"full_attention": {}, "sliding_attention": {}}},
@@ -277,9 +336,10 @@ def test_unsupported_settings_are_refused(llama_dir: Path, tmp_path: Path, chang
         _load(_with_config(llama_dir, tmp_path / "changed", **changes))
 
 
-def test_sliding_window_caps_max_model_len(llama_dir: Path, tmp_path: Path) -> None:
-    """The kernels do not mask by window: such a model is served only within its window,
-    where the window changes nothing; a longer --max-model-len is refused, naming both."""
+def test_sliding_window_caps_max_model_len_only_on_cuda(llama_dir: Path, tmp_path: Path) -> None:
+    """The CPU paths mask by window, so a windowed model gets its whole context there; the
+    CUDA kernels do not: there it is served only within its window, where the window changes
+    nothing, and a longer --max-model-len is refused, naming both."""
     path = _with_config(llama_dir, tmp_path / "mistral", model_type="mistral", sliding_window=64)
     assert _load(path).config.sliding_window == 64
 
@@ -293,10 +353,13 @@ def test_sliding_window_caps_max_model_len(llama_dir: Path, tmp_path: Path) -> N
             )
         )
 
-    assert engine(None).max_model_len == 64
-    assert engine(48).max_model_len == 48
+    assert engine(None).max_model_len == 512
+    assert engine(100).max_model_len == 100
+    config, cuda = _load(path).config, torch.device("cuda")
+    assert _max_model_len(None, config, cuda) == 64
+    assert _max_model_len(48, config, cuda) == 48
     with pytest.raises(ValueError, match=r"max_model_len: 100 .*sliding_window \(64\)"):
-        engine(100)
+        _max_model_len(100, config, cuda)
     # A window at least as long as the context is no window at all.
     wide = _with_config(llama_dir, tmp_path / "wide", model_type="mistral", sliding_window=4096)
     assert _load(wide).config.sliding_window is None
@@ -309,3 +372,9 @@ def test_sliding_window_caps_max_model_len(llama_dir: Path, tmp_path: Path) -> N
     assert _sliding_window(last, "qwen2", 2) is None
     layer_types = ["full_attention", "sliding_attention"]
     assert _sliding_window({**qwen, "layer_types": layer_types}, "qwen3", 2) == 64
+    # ... and the layers it applies to
+    assert _layer_types({**qwen, "use_sliding_window": True}, "qwen2", 3) == (
+        "full", "sliding", "sliding")  # fmt: skip
+    assert _layer_types({"sliding_window_pattern": 2}, "gemma3_text", 4) == (
+        "sliding", "full", "sliding", "full")  # fmt: skip
+    assert _layer_types({}, "gemma2", 3) == ("sliding", "full", "sliding")

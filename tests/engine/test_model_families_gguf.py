@@ -31,9 +31,18 @@ CONVERTER_DIR = (
     Path(os.environ.get("HEADRACE_LLAMA_CPP_DIR", Path.home() / ".cache/headrace/llama-cpp"))
     / f"llama_cpp_python-{LLAMA_CPP_PY}/vendor/llama.cpp"
 )
-# Families whose converted file headrace reads (Phi-3's converter writes a SentencePiece
-# vocabulary, which the GGUF tokenizer does not read yet).
-GGUF_FAMILIES = ("llama3", "llama-linear", "qwen3")
+# Families whose converted file headrace reads (Phi-3's and Gemma 2's converters need a
+# SentencePiece tokenizer.model, which these checkpoints do not have; Mistral's converts to
+# the llama architecture without its sliding window, so the file is not the same model).
+GGUF_FAMILIES = ("llama3", "llama-linear", "qwen3", "gemma3")
+# llama.cpp scales Gemma's attention by head_dim ** -0.5 whatever query_pre_attn_scalar says
+# (but on the 27B models), and the converter writes no layer types (llama.cpp's Gemma 3
+# pattern: five sliding layers, then a full one), so the checkpoint converted here has both
+# as llama.cpp assumes.
+GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+OVERRIDES = {
+    "gemma3": {"query_pre_attn_scalar": 32, "num_hidden_layers": 6, "layer_types": GEMMA3_LAYERS}
+}
 
 
 def convert(hf_dir: Path, out: Path, outtype: str) -> Path:
@@ -64,7 +73,7 @@ def converted(request, tmp_path_factory: pytest.TempPathFactory):
     if not (CONVERTER_DIR / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"llama.cpp's converter is not in {CONVERTER_DIR}: run make llama-cpp-convert")
     root = tmp_path_factory.mktemp(f"gguf-{request.param}")
-    model = build_hf_model(root / "hf", request.param)
+    model = build_hf_model(root / "hf", request.param, **OVERRIDES.get(request.param, {}))
     f32 = convert(root / "hf", root / "model-f32.gguf", "f32")
     q8 = convert(root / "hf", root / "model-q8_0.gguf", "q8_0")
     tok = Tokenizer.from_hf_dir(root / "hf")
@@ -78,6 +87,11 @@ def test_f32_gguf_greedy_equals_transformers(converted) -> None:
         assert loaded.config.rope_freq_factors is not None  # the converter's rope_freqs
     if name == "qwen3":
         assert loaded.config.qk_norm and loaded.config.head_dim == 32
+    if name == "gemma3":
+        cfg = loaded.config
+        assert cfg.sandwich_norms and cfg.hidden_act == "gelu_tanh" and cfg.qk_norm
+        assert cfg.rope_local_theta == 1e4 and cfg.rope_theta == 1e6
+        assert cfg.layer_types == ("sliding",) * 5 + ("full",)
     # The file's tokenizer is the checkpoint's.
     assert [loaded.tokenizer.encode(p) for p in PROMPTS] == prompts
     expected = hf_greedy(model, prompts)
@@ -87,8 +101,10 @@ def test_f32_gguf_greedy_equals_transformers(converted) -> None:
 
 
 def test_q8_0_gguf_quantized_greedy_equals_transformers_on_its_weights(converted) -> None:
-    _, model, _, q8, prompts = converted
+    name, model, _, q8, prompts = converted
     dense = load_model(str(q8), progress=False).weights  # the file's weights, dequantized
+    if name == "gemma3":  # the converter folded Gemma's (1 + w) into its norms: unfold
+        dense = {k: v - 1 if k.endswith("norm.weight") else v for k, v in dense.items()}
     missing, unexpected = model.load_state_dict(dense, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.tie_weights()

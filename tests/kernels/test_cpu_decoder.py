@@ -112,3 +112,26 @@ def test_the_table_rejects_a_dense_projection(model) -> None:
             cpu.decoder_table(model.layers, model.norm, _caches(model, 1, seed=0))
     finally:
         layer.o_proj.quantized = saved
+
+
+def test_fused_layers_apply_each_layers_sliding_window(model) -> None:
+    """The table carries each layer's window (Mistral: every layer; here every other one):
+    the fused call masks as the per-op path does, and the window changes the result."""
+    meta, positions, blocks = _step([23, 1, 1], [60, 70, 9])
+    token_ids = torch.randint(0, model.config.vocab_size, (25,), generator=torch.Generator())
+    outs = []
+    try:
+        for window in (None, 16):
+            for i, layer in enumerate(model.layers):
+                layer.window = window if i % 2 == 0 else None
+            model._table = None  # rebuilt with the windows
+            for fused in (False, True):
+                model.fused_layers = fused
+                outs.append(model.forward(token_ids, positions, _caches(model, blocks, 7), meta))
+    finally:
+        for layer in model.layers:
+            layer.window = None
+        model._table, model.fused_layers = None, True
+    full_per_op, full_fused, window_per_op, window_fused = outs
+    assert torch.equal(full_per_op, full_fused) and torch.equal(window_per_op, window_fused)
+    assert not torch.allclose(full_fused, window_fused)

@@ -372,8 +372,83 @@ def test_paged_attention_gives_the_same_bits_on_every_isa(kv_dtype):
             meta.block_tables.data_ptr(), meta.context_lens.data_ptr(),
             meta.query_start_loc.data_ptr(), meta.num_seqs, 8, 2, 64, 16,
             meta.block_tables.shape[1], 0.125, out.data_ptr(), cpu.KV_DTYPE_CODES[kv_dtype],
+            0, 0.0,
         )  # fmt: skip
         outs.append(out)
     assert not torch.isnan(outs[0]).any()
     for isa, out in zip(runnable[1:], outs[1:], strict=True):
         assert torch.equal(out, outs[0]), f"{isa} differs from {runnable[0]}"
+
+
+# --- sliding window and soft-capped scores (Mistral, Gemma 2/3) ---------------------------
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_windowed_and_capped_attention_matches_reference(window, softcap, kv_dtype):
+    seqs = [(1, 1), (1, 15), (1, 600), (7, 7), (1, 40), (5, 37), (20, 100), (33, 33)]
+    query, cache, meta = build_case(seqs, 16, heads=9, kv_heads=3, kv_dtype=kv_dtype)
+    query = query * 4  # scores of several units, so the cap bends them
+    scale = 64**-0.5
+    expected = reference.paged_attention(query, cache.key, cache.value, meta, scale,
+                                         window, softcap)  # fmt: skip
+    got = cpu.paged_attention(query, cache.key, cache.value, meta, scale, True, window, softcap)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    unmasked = reference.paged_attention(query, cache.key, cache.value, meta, scale)
+    assert not torch.allclose(expected, unmasked)  # the window or the cap changed something
+
+
+def test_reference_window_is_the_last_keys_by_absolute_position():
+    """A window of W: the query at position p attends to keys p - W + 1..p, exactly as full
+    attention over those keys alone."""
+    ctx, window = 50, 8
+    query, cache, meta = build_case([(ctx, ctx)], 16, heads=2, kv_heads=1)
+    got = reference.paged_attention(query, cache.key, cache.value, meta, 0.125, window)
+    keys = reference.from_cache(cache.key.view(-1, 1, 64))
+    values = reference.from_cache(cache.value.view(-1, 1, 64))
+    slots = [int(meta.block_tables[0, p // 16]) * 16 + p % 16 for p in range(ctx)]
+    for p in (0, 7, 8, 30, ctx - 1):
+        seen = slots[max(0, p - window + 1) : p + 1]
+        k, v = keys[seen, 0], values[seen, 0]
+        weights = torch.softmax(query[p] @ k.T * 0.125, dim=-1)
+        torch.testing.assert_close(got[p], weights @ v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(5, None), (16, None), (21, 30.0), (None, 30.0)])
+def test_windowed_query_gives_the_same_bits_decoded_or_in_a_prefill_chunk(window, softcap):
+    ctx = 77
+    query, cache, meta = build_case([(ctx, ctx)], 16, heads=9, kv_heads=3)
+    table = meta.block_tables[:, : -(-ctx // 16)].tolist()
+    args = (0.125, True, window, softcap)
+    prefill = cpu.paged_attention(query, cache.key, cache.value, meta, *args)
+    for qlen in (1, 5, 16, 17, 40):
+        chunk = AttentionMetadata.build([qlen], [ctx], table, 16)
+        got = cpu.paged_attention(query[ctx - qlen :].contiguous(), cache.key, cache.value,
+                                  chunk, *args)  # fmt: skip
+        assert torch.equal(got, prefill[ctx - qlen :]), qlen
+    for pos in (0, 4, 15, 16, 50, ctx - 1):
+        alone = AttentionMetadata.build([1], [pos + 1], table, 16)
+        got = cpu.paged_attention(query[pos : pos + 1].contiguous(), cache.key, cache.value,
+                                  alone, *args)  # fmt: skip
+        assert torch.equal(got, prefill[pos : pos + 1]), pos
+
+
+def test_gelu_tanh_mul_matches_torch():
+    gate_up = torch.randn(5, 96) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(cpu.gelu_tanh_mul(gate_up), want, rtol=1e-5, atol=1e-5)
+
+
+def test_head_rms_norm_normalises_each_head_in_place():
+    """Per-head q/k RMSNorm (Qwen3, Gemma 3) on the q or k columns of a fused qkv row."""
+    heads, kv_heads, dim, tokens = 4, 2, 32, 3
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    weight = torch.rand(dim) + 0.5
+    want = qkv.clone()
+    part = want[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    part.copy_(weight * part * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + 1e-6))
+    cpu.head_rms_norm(qkv, weight, heads * dim, kv_heads, 1e-6)
+    torch.testing.assert_close(qkv, want, rtol=1e-5, atol=1e-6)

@@ -207,6 +207,9 @@ def test_info_and_loads(served: RunningServer) -> None:
     model = served.pipeline.model_info()
     assert (info.served_model_name, info.vocab_size) == (model.model_name, model.vocab_size)
     assert info.max_context_length == model.max_model_len and info.is_generation
+    assert info.model_type == model.architecture and list(info.architectures) == [
+        model.architecture
+    ]
     server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT)
     assert server.server_type == "vllm-grpc" and server.block_size == model.block_size
     loads = stub.GetLoads(pb.GetLoadsRequest(), timeout=TIMEOUT)

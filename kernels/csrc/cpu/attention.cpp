@@ -6,6 +6,10 @@
 // Slots past a sequence's context are never read, so whatever they hold (tests fill them
 // with NaN) cannot reach the result; keys past a query's last visible one (later queries
 // of its tile see them) are masked before the softmax and skipped in the sum over V.
+// Sliding window W (0 = none): query at position p sees keys p - W + 1..p only; chunks
+// wholly before a query's first key are not read for it (nor at all when no row of the
+// item needs them), keys before it in its first chunk are masked like those past its last.
+// Soft-cap C (0 = none, Gemma 2): every score s becomes tanh(s / C) * C before the mask.
 //
 // One work item is (sequence, KV head, tile of queries): its query rows (queries x the KV
 // head's query heads, GQA) share every K/V row it loads. Keys go in chunks of 16 with an
@@ -42,7 +46,21 @@ constexpr int64_t kLaneRows = 8;  // an item with at least this many rows puts r
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;
   int64_t kv_dtype;  // KvDtype (common.h): what the caches hold
+  int64_t window;    // keys a query sees, itself included; 0 = all
+  float softcap;     // 0 = none
 };
+
+// tanh(s / cap) * cap, with tanh(y) = 1 - 2 / (exp(2y) + 1) (exp16 saturates: +-1 far out).
+inline v16f softcap16(v16f s, float cap) {
+  const v16f y = s / cap;
+  return (1.0f - 2.0f / (exp16(y + y) + 1.0f)) * cap;
+}
+
+// The scaled (and soft-capped) scores of one chunk.
+inline v16f finish_scores(v16f dots, const Shape& s, float scale) {
+  const v16f sv = dots * scale;
+  return s.softcap > 0.0f ? softcap16(sv, s.softcap) : sv;
+}
 
 // kt[d * 16 + i] = rows[i][c + d] for d < 16: one 16 x 16 block of a chunk's transpose.
 inline void transpose16(const float* const* rows, int64_t c, float* kt) {
@@ -109,8 +127,12 @@ inline void fma_chains_n(const float* const* a, int n, const float* b, int64_t d
 struct Row {
   const float* q;
   float* out;
-  int64_t visible;  // keys 0..visible - 1
+  int64_t first, visible;  // keys first..visible - 1
 };
+
+// The first chunk an item reads: the one holding its first row's first key (rows come in
+// order of visible keys, so of first keys too).
+inline int64_t first_chunk(const Row* rows) { return rows[0].first / kChunk * kChunk; }
 
 struct Item {
   int32_t seq, h0, h1;  // query heads [h0, h1), all of one KV head's group
@@ -236,7 +258,7 @@ void attend_rows(const Row* rows, int64_t n_rows, const uint8_t* kc, const uint8
   sc.maxes.assign(n_rows, -INFINITY);
   sc.sums.assign(n_rows, 0.0f);
   Chunk ch;
-  for (int64_t t0 = 0; t0 < last; t0 += kChunk) {
+  for (int64_t t0 = first_chunk(rows); t0 < last; t0 += kChunk) {
     chunk_rows(kc, vc, table, s, kv_head, t0, last, ch, sc);
     for (int64_t i = ch.n; i < kChunk; ++i) ch.k[i] = sc.zeros.data();  // never past the context
     for (int64_t d = 0; d < dim; d += 16) transpose16(ch.k, d, sc.kt.data() + 16 * d);
@@ -248,9 +270,11 @@ void attend_rows(const Row* rows, int64_t n_rows, const uint8_t* kc, const uint8
       fma_chains_n(q, nr, sc.kt.data(), dim, scores);
       for (int j = 0; j < nr; ++j) {
         const int64_t r = r0 + j, seen = std::min(ch.n, rows[r].visible - t0);
-        if (seen <= 0) continue;
-        v16f sv = scores[j] * scale;
+        const int64_t skip = rows[r].first - t0;  // keys of the chunk before the window
+        if (seen <= 0 || skip >= kChunk) continue;
+        v16f sv = finish_scores(scores[j], s, scale);
         for (int64_t i = seen; i < kChunk; ++i) sv[i] = -INFINITY;
+        for (int64_t i = 0; i < skip; ++i) sv[i] = -INFINITY;
         const float new_max = std::max(sc.maxes[r], hmax(sv));
         const float c = exp1(sc.maxes[r] - new_max);  // 0 at the first chunk (max = -inf)
         const v16f p = exp16(sv - new_max);
@@ -280,11 +304,13 @@ void attend_lanes(const Row* rows, int64_t n_rows, const uint8_t* kc, const uint
     for (int64_t d = 0; d < dim; ++d) sc.qt[d * 16 + r] = rows[r].q[d];
   sc.acc.assign(n_rows * dim, 0.0f);
   sc.probs.resize(kChunk * 16);
-  v16f visible, max = splat(-INFINITY), sum = splat(0.0f);
-  for (int64_t r = 0; r < 16; ++r)
+  v16f visible, first, max = splat(-INFINITY), sum = splat(0.0f);
+  for (int64_t r = 0; r < 16; ++r) {
     visible[r] = static_cast<float>(r < n_rows ? rows[r].visible : 0);  // exact below 2^24
+    first[r] = static_cast<float>(r < n_rows ? rows[r].first : 0);
+  }
   Chunk ch;
-  for (int64_t t0 = 0; t0 < last; t0 += kChunk) {
+  for (int64_t t0 = first_chunk(rows); t0 < last; t0 += kChunk) {
     chunk_rows(kc, vc, table, s, kv_head, t0, last, ch, sc);
     v16f sc16[kChunk];  // scores: sc16[i][r] = row r against key i
     for (int64_t i0 = 0; i0 < ch.n; i0 += 8) {
@@ -296,25 +322,29 @@ void attend_lanes(const Row* rows, int64_t n_rows, const uint8_t* kc, const uint
       if (i >= ch.n)
         sc16[i] = splat(-INFINITY);
       else
-        sc16[i] = pos < visible ? sc16[i] * scale : splat(-INFINITY);
+        sc16[i] = ((pos < visible) & (pos >= first)) ? finish_scores(sc16[i], s, scale)
+                                                      : splat(-INFINITY);
     }
     v16f chunk_max = sc16[0];
     for (int i = 1; i < kChunk; ++i) chunk_max = chunk_max > sc16[i] ? chunk_max : sc16[i];
     const v16f new_max = max > chunk_max ? max : chunk_max;
     // Rows whose keys ended before this chunk skip it in the per-row form; here their
     // lanes get c = exp16(0) = 1 and p = 0, which leaves sum and acc bit for bit as
-    // they were. Unused lanes (visible 0) hold NaN and are never stored.
-    const v16f c = exp16(max - new_max);
+    // they were. Rows whose window starts after this chunk (max still -inf) get c = 0 and
+    // p = 0 from a max taken as 0: sum and acc stay 0, max -inf, as if skipped. Unused
+    // lanes (visible 0) hold NaN and are never stored.
+    const v16f safe_max = new_max == -INFINITY ? splat(0.0f) : new_max;
+    const v16f c = exp16(max - safe_max);
     v16f p[kChunk];
     for (int i = 0; i < kChunk; ++i) {
-      p[i] = exp16(sc16[i] - new_max);
+      p[i] = exp16(sc16[i] - safe_max);
       store16(sc.probs.data() + i * 16, p[i]);
     }
     sum = fma16(sum, c, tree_sum(p));
     max = new_max;
     for (int64_t r = 0; r < n_rows; ++r) {
       const int64_t seen = std::min(ch.n, rows[r].visible - t0);
-      if (seen > 0)
+      if (seen > 0 && rows[r].first - t0 < kChunk)
         accumulate(sc.acc.data() + r * dim, ch, sc.probs.data() + r, 16, seen, c[r], dim);
     }
   }
@@ -335,9 +365,11 @@ void attend_item(const Item& w, const float* query, const uint8_t* kc, const uin
   sc.rows.clear();
   for (int64_t j = w.q0; j < w.q1; ++j) {  // in order of visible keys
     const int64_t t = query_start[w.seq] + j;
+    const int64_t visible = ctx - qlen + j + 1;
+    const int64_t first = s.window > 0 ? std::max<int64_t>(0, visible - s.window) : 0;
     for (int64_t h = w.h0; h < w.h1; ++h)
       sc.rows.push_back({query + (t * s.heads + h) * dim, out + (t * s.heads + h) * dim,
-                         ctx - qlen + j + 1});
+                         first, visible});
   }
   const int64_t n_rows = static_cast<int64_t>(sc.rows.size());
   if (n_rows < kLaneRows)
@@ -358,14 +390,16 @@ HR_EXPORT void hr_paged_attention(const float* query, const void* key_cache,
                                   const int32_t* context_lens, const int32_t* query_start,
                                   int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                                   int64_t block_size, int64_t table_width, float scale,
-                                  float* out, int64_t kv_dtype) {
-  const Shape s{heads, kv_heads, dim, block_size, table_width, kv_dtype};
+                                  float* out, int64_t kv_dtype, int64_t window, float softcap) {
+  const Shape s{heads, kv_heads, dim, block_size, table_width, kv_dtype, window, softcap};
   const uint8_t* kc = static_cast<const uint8_t*>(key_cache);
   const uint8_t* vc = static_cast<const uint8_t*>(value_cache);
   const int64_t group = heads / kv_heads;
   int64_t work = 0;  // query x visible-key pairs, times the head dimension, over all heads
   for (int32_t i = 0; i < num_seqs; ++i)
-    work += (query_start[i + 1] - query_start[i]) * context_lens[i] * heads * dim;
+    work += (query_start[i + 1] - query_start[i]) *
+            (window > 0 ? std::min<int64_t>(window, context_lens[i]) : context_lens[i]) *
+            heads * dim;
   const bool parallel = work >= kParallelWork;
   // One item per (sequence, KV head, query tile), never split further: each item
   // transposes what it reads (one decoding sequence has 3 items, and splitting them per

@@ -161,6 +161,7 @@ HR_EXPORT void hr_rms_norm(const float* x, const float* weight, float* out, int6
 HR_EXPORT void hr_add_rms_norm(const float* x, float* residual, const float* weight, float* out,
                                int64_t n, int64_t h, float eps);
 HR_EXPORT void hr_silu_mul(const float* gate_up, float* out, int64_t n, int64_t inter);
+HR_EXPORT void hr_gelu_tanh_mul(const float* gate_up, float* out, int64_t n, int64_t inter);
 
 // KV cache element types (kernels/cpu.py KV_DTYPE_CODES): the cache holds K and V rounded
 // once to this type when written; every read widens them back to fp32 (exactly), so the
@@ -244,7 +245,7 @@ HR_EXPORT void hr_paged_attention(const float* query, const void* key_cache,
                                   const int32_t* context_lens, const int32_t* query_start,
                                   int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                                   int64_t block_size, int64_t table_width, float scale,
-                                  float* out, int64_t kv_dtype);
+                                  float* out, int64_t kv_dtype, int64_t window, float softcap);
 HR_EXPORT void hr_rope_and_cache(const float* qkv, const int64_t* positions, const float* cos,
                                  const float* sin, const int64_t* slot_mapping, int64_t tokens,
                                  int64_t heads, int64_t kv_heads, int64_t dim, float* q_out,

@@ -5,14 +5,16 @@
 // The layers come as a table of int64, kLayerFields per layer (kernels/cpu/launch.py
 // decoder_table): the four projections (weight pointer, block format, output rows, bias
 // pointer or 0), then the post-attention norm, the next layer's input norm (the final
-// norm after the last layer), and the layer's key and value caches.
+// norm after the last layer), the layer's key and value caches, and its sliding window
+// (0 = none).
 #include "common.h"
 
 namespace {
 
 enum Field : int64_t {
   kQkv = 0, kO = 4, kGateUp = 8, kDown = 12,  // each: weight, format, rows, bias
-  kPostNorm = 16, kNextNorm = 17, kKeyCache = 18, kValueCache = 19, kLayerFields = 20,
+  kPostNorm = 16, kNextNorm = 17, kKeyCache = 18, kValueCache = 19, kWindow = 20,
+  kLayerFields = 21,
 };
 
 template <class T>
@@ -56,7 +58,7 @@ HR_EXPORT void hr_decoder_layers(const int64_t* layers, int64_t num_layers, int6
                       key_cache, value_cache, kv_dtype);
     hr_paged_attention(q, key_cache, value_cache, block_tables, context_lens, query_start,
                        num_seqs, heads, kv_heads, dim, block_size, table_width, scale, attn,
-                       kv_dtype);
+                       kv_dtype, layer[kWindow], 0.0f);
     project(layer, kO, q8, attn, tokens, heads * dim, tmp);
     hr_add_rms_norm(tmp, hidden, ptr<const float>(layer, kPostNorm), x, tokens, h, eps);
     project(layer, kGateUp, q8, x, tokens, h, gate_up);

@@ -31,6 +31,18 @@ HR_EXPORT void hr_rms_norm(const float* x, const float* weight, float* out, int6
   for (int64_t i = 0; i < n; ++i) rms_row(x + i * h, weight, out + i * h, h, eps);
 }
 
+// In place, for each of n rows (row_stride floats apart): RMSNorm of each of its `heads`
+// consecutive head slices of `dim` floats, scaled by weight [dim] (Qwen3's and Gemma 3's
+// q/k norms, on the q or k part of a fused q|k|v row). dim % 16 == 0.
+HR_EXPORT void hr_head_rms_norm(float* x, const float* weight, int64_t n, int64_t row_stride,
+                                int64_t heads, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (parallel_rows(n * heads, dim))
+  for (int64_t i = 0; i < n * heads; ++i) {
+    float* row = x + (i / heads) * row_stride + (i % heads) * dim;
+    rms_row(row, weight, row, dim, eps);  // reads every value before it writes one
+  }
+}
+
 // residual[i] += x[i]; out[i] = rms_norm(residual[i]) * weight (the residual stream kept
 // in `residual`, the next sublayer's input in `out`).
 HR_EXPORT void hr_add_rms_norm(const float* x, float* residual, const float* weight, float* out,
@@ -51,6 +63,21 @@ HR_EXPORT void hr_silu_mul(const float* gate_up, float* out, int64_t n, int64_t 
     for (int64_t c = 0; c < inter; c += 16) {
       const v16f gv = load16(g + c);
       store16(out + i * inter + c, gv / (1.0f + exp16(-gv)) * load16(g + inter + c));
+    }
+  }
+}
+
+// out[i, :] = gelu_tanh(gate) * up, gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715
+// g^3))) (Gemma's gelu_pytorch_tanh), tanh(y) = 1 - 2 / (exp(2y) + 1).
+HR_EXPORT void hr_gelu_tanh_mul(const float* gate_up, float* out, int64_t n, int64_t inter) {
+#pragma omp parallel for schedule(static) if (parallel_rows(n, inter))
+  for (int64_t i = 0; i < n; ++i) {
+    const float* g = gate_up + i * 2 * inter;
+    for (int64_t c = 0; c < inter; c += 16) {
+      const v16f x = load16(g + c);
+      const v16f y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+      const v16f t = 1.0f - 2.0f / (exp16(y + y) + 1.0f);
+      store16(out + i * inter + c, 0.5f * x * (1.0f + t) * load16(g + inter + c));
     }
   }
 }
