@@ -54,6 +54,8 @@ def paged_attention(
         if window is not None or softcap is not None:
             raise ValueError("the CUDA attention kernels mask no sliding window, cap no logits")
         return cuda.paged_attention(query, key_cache, value_cache, meta, scale)
+    if window is None and softcap is None:  # the plain call, as every backend takes it
+        return reference.paged_attention(query, key_cache, value_cache, meta, scale)
     return reference.paged_attention(query, key_cache, value_cache, meta, scale, window, softcap)
 
 
