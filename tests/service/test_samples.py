@@ -5,8 +5,6 @@ first and the others after its first token, per-sample seeds, cancellation of al
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,7 +13,7 @@ from compute.core.sampling_params import SamplingParams
 from compute.tokenizer import Tokenizer
 from services.pipeline.domain import Chunk, Complete, GenerateInput
 from services.pipeline.pipeline import Pipeline, PipelineConfig
-from services.telemetry.metrics import Metrics
+from tests.service.test_pipeline import running
 from tests.support.fake_engine import FakeEngine, smollm2_tokenizer
 from tests.support.waiting import wait_until
 
@@ -30,16 +28,6 @@ def tok() -> Tokenizer:
 @pytest.fixture
 def engine(tok: Tokenizer) -> FakeEngine:
     return FakeEngine(tok, tok.encode(TEXT))
-
-
-@contextlib.contextmanager
-def running(engine: FakeEngine, **config: int) -> Iterator[Pipeline]:
-    pipeline = Pipeline(engine, PipelineConfig(**config), Metrics())
-    pipeline.start()
-    try:
-        yield pipeline
-    finally:
-        pipeline.stop()
 
 
 def request(n: int, **params: object) -> GenerateInput:
