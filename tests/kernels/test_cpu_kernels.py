@@ -447,6 +447,76 @@ def test_windowed_query_gives_the_same_bits_decoded_or_in_a_prefill_chunk(window
         assert torch.equal(got, prefill[pos : pos + 1]), pos
 
 
+# --- long contexts: keys in fixed partitions of 256, split across threads (split-K) ---------
+
+PART = 256  # attention.cpp kPart
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (300, None), (None, 30.0)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8])
+def test_long_context_attention_matches_reference(window, softcap, kv_dtype):
+    """Contexts over several partitions (decode and prefill rows, windows crossing partition
+    boundaries) against the reference's one softmax."""
+    seqs = [(1, 3 * PART + 7), (40, 2 * PART + 40), (1, PART), (1, PART + 1), (3, 5 * PART)]
+    query, cache, meta = build_case(seqs, 16, heads=9, kv_heads=3, kv_dtype=kv_dtype)
+    query = query * 2
+    scale = 64**-0.5
+    expected = reference.paged_attention(query, cache.key, cache.value, meta, scale,
+                                         window, softcap)  # fmt: skip
+    got = cpu.paged_attention(query, cache.key, cache.value, meta, scale, True, window, softcap)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (300, None), (PART, 30.0)])
+def test_long_context_query_gives_the_same_bits_decoded_or_in_a_prefill_chunk(window, softcap):
+    """Past one partition too, whatever tile, row form or chunk start a query lands in."""
+    ctx = 3 * PART + 37
+    query, cache, meta = build_case([(ctx, ctx)], 16, heads=9, kv_heads=3)
+    table = meta.block_tables[:, : -(-ctx // 16)].tolist()
+    args = (0.125, True, window, softcap)
+    prefill = cpu.paged_attention(query, cache.key, cache.value, meta, *args)
+    for qlen in (1, 7, 17, 300):
+        chunk = AttentionMetadata.build([qlen], [ctx], table, 16)
+        got = cpu.paged_attention(query[ctx - qlen :].contiguous(), cache.key, cache.value,
+                                  chunk, *args)  # fmt: skip
+        assert torch.equal(got, prefill[ctx - qlen :]), qlen
+    for pos in (PART - 1, PART, PART + 1, 2 * PART + 100, ctx - 1):
+        alone = AttentionMetadata.build([1], [pos + 1], table, 16)
+        got = cpu.paged_attention(query[pos : pos + 1].contiguous(), cache.key, cache.value,
+                                  alone, *args)  # fmt: skip
+        assert torch.equal(got, prefill[pos : pos + 1]), pos
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_split_k_gives_the_bits_of_one_thread_and_of_a_full_batch(window, kv_dtype):
+    """A few long sequences are split per partition across threads (split-K) and folded
+    after; the result must be the bits one thread computes item by item, and those of the
+    same sequences in a batch big enough not to be split."""
+    seqs = [(1, 4 * PART + 3), (2, 2 * PART + 9)]  # 6 items: split on 2 threads or more
+    filler = [(1, 100)] * 6  # + 18 items: not split
+    query, cache, meta = build_case(seqs + filler, 16, heads=9, kv_heads=3, kv_dtype=kv_dtype)
+    rows = sum(q for q, _ in seqs)
+    widths = [-(-ctx // 16) for _, ctx in seqs]
+    tables = [meta.block_tables[i, : widths[i]].tolist() for i in range(len(seqs))]
+    few = AttentionMetadata.build([q for q, _ in seqs], [c for _, c in seqs], tables, 16)
+    q = query[:rows].contiguous()
+    args = (0.125, True, window, None)
+    lib = cpu.library()
+    try:
+        lib.hr_set_num_threads(1)
+        one_thread = cpu.paged_attention(q, cache.key, cache.value, few, *args)
+        lib.hr_set_num_threads(2)
+        split = cpu.paged_attention(q, cache.key, cache.value, few, *args)
+        batch = cpu.paged_attention(query, cache.key, cache.value, meta, *args)
+    finally:
+        cpu.use_torch_threads()
+    assert not torch.isnan(split).any()
+    assert torch.equal(split, one_thread)
+    assert torch.equal(split, batch[:rows])
+
+
 def test_gelu_tanh_mul_matches_torch():
     gate_up = torch.randn(5, 96) * 3
     gate, up = gate_up.chunk(2, dim=-1)

@@ -30,6 +30,18 @@
 // probabilities in the same pairwise tree (hsum's).
 // So a query gives the same bits alone or batched, decoded or in a prefill chunk of any
 // length, on every ISA (tests/kernels/test_cpu_kernels.py checks all three).
+//
+// Keys come in fixed partitions of kPart positions ([p kPart, (p + 1) kPart), whatever the
+// batch): each partition runs the loop above from a fresh state (max -inf, sum 0, acc 0),
+// and a row's partitions are then folded in ascending order (a partition where the row saw
+// no key is skipped; the first one seen is taken as it is; the next ones merged by
+//   M = max(m, m_p); c = exp16(m - M); c_p = exp16(m_p - M);
+//   sum = fma(sum, c, sum_p * c_p); acc = fma(acc, c, acc_p * c_p)),
+// before out = acc * (1 / sum). A context within one partition is the loop above alone.
+// Because the partitions do not depend on how the work is shared, a few long sequences
+// (one decoding stream at 4k tokens has 3 items on 2 cores) are split into one work item per
+// partition, run on every thread and folded afterwards (split-K), with the same bits as one
+// thread running the partitions in turn.
 #include <omp.h>
 
 #include <algorithm>
@@ -42,6 +54,8 @@ namespace {
 constexpr int kChunk = 16;      // keys per softmax step
 constexpr int64_t kQTile = 16;  // queries of one sequence per work item
 constexpr int64_t kLaneRows = 8;  // an item with at least this many rows puts rows in lanes
+constexpr int64_t kPart = 256;    // keys per partition (a multiple of kChunk)
+constexpr int64_t kSplitItems = 4;  // split items in partitions below this many per thread
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;
@@ -142,7 +156,7 @@ struct Item {
 // Per-thread scratch, reused across items.
 struct Scratch {
   std::vector<Row> rows;
-  std::vector<float> kt, qt, probs, acc, zeros, maxes, sums;
+  std::vector<float> kt, qt, probs, acc, zeros, maxes, sums, states;
   std::vector<float> kw, vw;  // a 16- or 8-bit chunk's K and V rows widened to fp32
 };
 
@@ -174,13 +188,14 @@ struct Chunk {
   int64_t n;
 };
 
-// The chunk's rows as fp32, and a prefetch of the next chunk's (up to `last`): decode at
+// The chunk's rows as fp32 (keys before `last`), and a prefetch of the next chunk's (up to
+// `prefetch_end`, the item's last key, past the partition's end): decode at
 // long contexts streams the cache from DRAM, one scattered row per key and head. An fp32
 // cache is read in place; a 16- or 8-bit one is widened into the scratch rows (so the
 // arithmetic that follows is the fp32 kernel's on the rounded values).
 inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* table,
-                       const Shape& s, int64_t kv_head, int64_t t0, int64_t last, Chunk& ch,
-                       Scratch& sc) {
+                       const Shape& s, int64_t kv_head, int64_t t0, int64_t last,
+                       int64_t prefetch_end, Chunk& ch, Scratch& sc) {
   const int64_t row_bytes = kv_row_bytes(s.kv_dtype, s.dim);
   const int64_t slot_bytes = s.kv_heads * row_bytes;
   auto at = [&](int64_t pos) {
@@ -207,7 +222,7 @@ inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* tabl
       ch.v[i] = v;
     }
   }
-  const int64_t next = std::min<int64_t>(last, t0 + 2 * kChunk);
+  const int64_t next = std::min<int64_t>(prefetch_end, t0 + 2 * kChunk);
   for (int64_t pos = t0 + kChunk; pos < next; ++pos) {
     const int64_t offset = at(pos);
     for (int64_t b = 0; b < row_bytes; b += 64) {
@@ -247,19 +262,31 @@ inline void accumulate(float* acc, const Chunk& ch, const float* p, int64_t stri
   }
 }
 
+// Where a group of rows reads: one KV head of one sequence's cache.
+struct Source {
+  const uint8_t* kc;
+  const uint8_t* vc;
+  const int32_t* table;
+  const Shape& s;
+  int64_t kv_head;
+  float scale;
+};
+
+// Each form below runs the keys [t0, t1) of its rows (t0 a multiple of kChunk, t1 at most
+// the last row's visible keys) from a fresh state, and leaves every row's running max, sum
+// and unnormalised acc in sc.maxes, sc.sums, sc.acc.
+
 // Lanes over the chunk's keys: few rows share the item (decode).
-void attend_rows(const Row* rows, int64_t n_rows, const uint8_t* kc, const uint8_t* vc,
-                 const int32_t* table, const Shape& s, int64_t kv_head, float scale,
-                 Scratch& sc) {
-  const int64_t dim = s.dim, last = rows[n_rows - 1].visible;
-  sc.acc.assign(n_rows * dim, 0.0f);
+void attend_rows(const Row* rows, int64_t n_rows, const Source& src, int64_t t_begin,
+                 int64_t t_end, Scratch& sc) {
+  const Shape& s = src.s;
+  const int64_t dim = s.dim, prefetch_end = rows[n_rows - 1].visible;
+  const float scale = src.scale;
   sc.kt.resize(dim * kChunk);
   sc.zeros.assign(dim, 0.0f);
-  sc.maxes.assign(n_rows, -INFINITY);
-  sc.sums.assign(n_rows, 0.0f);
   Chunk ch;
-  for (int64_t t0 = first_chunk(rows); t0 < last; t0 += kChunk) {
-    chunk_rows(kc, vc, table, s, kv_head, t0, last, ch, sc);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kChunk) {
+    chunk_rows(src.kc, src.vc, src.table, s, src.kv_head, t0, t_end, prefetch_end, ch, sc);
     for (int64_t i = ch.n; i < kChunk; ++i) ch.k[i] = sc.zeros.data();  // never past the context
     for (int64_t d = 0; d < dim; d += 16) transpose16(ch.k, d, sc.kt.data() + 16 * d);
     for (int64_t r0 = 0; r0 < n_rows; r0 += 8) {
@@ -286,23 +313,18 @@ void attend_rows(const Row* rows, int64_t n_rows, const uint8_t* kc, const uint8
       }
     }
   }
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const float inv = sc.sums[r] > 0.0f ? 1.0f / sc.sums[r] : 0.0f;
-    for (int64_t d = 0; d < dim; d += 16)
-      store16(rows[r].out + d, load16(sc.acc.data() + r * dim + d) * inv);
-  }
 }
 
 // Up to 16 rows in the lanes of each vector.
-void attend_lanes(const Row* rows, int64_t n_rows, const uint8_t* kc, const uint8_t* vc,
-                  const int32_t* table, const Shape& s, int64_t kv_head, float scale,
-                  Scratch& sc) {
-  const int64_t dim = s.dim, last = rows[n_rows - 1].visible;
+void attend_lanes(const Row* rows, int64_t n_rows, const Source& src, int64_t t_begin,
+                  int64_t t_end, Scratch& sc) {
+  const Shape& s = src.s;
+  const int64_t dim = s.dim, prefetch_end = rows[n_rows - 1].visible;
+  const float scale = src.scale;
   // qt[d][r] = rows[r].q[d], unused lanes 0.
   sc.qt.assign(dim * 16, 0.0f);
   for (int64_t r = 0; r < n_rows; ++r)
     for (int64_t d = 0; d < dim; ++d) sc.qt[d * 16 + r] = rows[r].q[d];
-  sc.acc.assign(n_rows * dim, 0.0f);
   sc.probs.resize(kChunk * 16);
   v16f visible, first, max = splat(-INFINITY), sum = splat(0.0f);
   for (int64_t r = 0; r < 16; ++r) {
@@ -310,8 +332,8 @@ void attend_lanes(const Row* rows, int64_t n_rows, const uint8_t* kc, const uint
     first[r] = static_cast<float>(r < n_rows ? rows[r].first : 0);
   }
   Chunk ch;
-  for (int64_t t0 = first_chunk(rows); t0 < last; t0 += kChunk) {
-    chunk_rows(kc, vc, table, s, kv_head, t0, last, ch, sc);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kChunk) {
+    chunk_rows(src.kc, src.vc, src.table, s, src.kv_head, t0, t_end, prefetch_end, ch, sc);
     v16f sc16[kChunk];  // scores: sc16[i][r] = row r against key i
     for (int64_t i0 = 0; i0 < ch.n; i0 += 8) {
       const int nk = static_cast<int>(std::min<int64_t>(8, ch.n - i0));
@@ -349,34 +371,200 @@ void attend_lanes(const Row* rows, int64_t n_rows, const uint8_t* kc, const uint
     }
   }
   for (int64_t r = 0; r < n_rows; ++r) {
-    const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
-    for (int64_t d = 0; d < dim; d += 16)
-      store16(rows[r].out + d, load16(sc.acc.data() + r * dim + d) * inv);
+    sc.maxes[r] = max[r];
+    sc.sums[r] = sum[r];
   }
 }
 
-void attend_item(const Item& w, const float* query, const uint8_t* kc, const uint8_t* vc,
-                 const int32_t* block_tables, const int32_t* context_lens,
-                 const int32_t* query_start, const Shape& s, float scale, float* out,
-                 Scratch& sc) {
-  const int64_t dim = s.dim, group = s.heads / s.kv_heads, kv_head = w.h0 / group;
+// The rows of an item, in order of visible keys (so of first keys too).
+void item_rows(const Item& w, const float* query, const int32_t* context_lens,
+               const int32_t* query_start, const Shape& s, float* out, std::vector<Row>& rows) {
+  const int64_t dim = s.dim;
   const int64_t qlen = query_start[w.seq + 1] - query_start[w.seq], ctx = context_lens[w.seq];
-  const int32_t* table = block_tables + w.seq * s.table_width;
-  sc.rows.clear();
-  for (int64_t j = w.q0; j < w.q1; ++j) {  // in order of visible keys
+  rows.clear();
+  for (int64_t j = w.q0; j < w.q1; ++j) {
     const int64_t t = query_start[w.seq] + j;
     const int64_t visible = ctx - qlen + j + 1;
     const int64_t first = s.window > 0 ? std::max<int64_t>(0, visible - s.window) : 0;
     for (int64_t h = w.h0; h < w.h1; ++h)
-      sc.rows.push_back({query + (t * s.heads + h) * dim, out + (t * s.heads + h) * dim,
-                         first, visible});
+      rows.push_back({query + (t * s.heads + h) * dim, out + (t * s.heads + h) * dim, first,
+                      visible});
   }
-  const int64_t n_rows = static_cast<int64_t>(sc.rows.size());
-  if (n_rows < kLaneRows)
-    return attend_rows(sc.rows.data(), n_rows, kc, vc, table, s, kv_head, scale, sc);
-  for (int64_t r0 = 0; r0 < n_rows; r0 += 16)  // groups of 16 rows (attend_lanes leaves sc.rows)
-    attend_lanes(sc.rows.data() + r0, std::min<int64_t>(16, n_rows - r0), kc, vc, table, s,
-                 kv_head, scale, sc);
+}
+
+// An item's rows go in groups: all of them in the per-row form when fewer than kLaneRows,
+// else 16 at a time in lanes.
+struct Group {
+  int64_t r0, n;
+  bool lanes;
+};
+
+inline std::vector<Group> groups_of(int64_t n_rows) {
+  if (n_rows < kLaneRows) return {{0, n_rows, false}};
+  std::vector<Group> groups;
+  for (int64_t r0 = 0; r0 < n_rows; r0 += 16)
+    groups.push_back({r0, std::min<int64_t>(16, n_rows - r0), true});
+  return groups;
+}
+
+// The partitions holding a group's keys: first_part..last_part.
+inline int64_t first_part(const Row* rows) { return first_chunk(rows) / kPart; }
+inline int64_t last_part(const Row* rows, int64_t n) { return (rows[n - 1].visible - 1) / kPart; }
+
+// Partition p of a group from a fresh state (sc.maxes, sc.sums, sc.acc); a partition outside
+// the group's keys leaves every row unseen (max -inf).
+void attend_part(const Row* rows, const Group& g, const Source& src, int64_t p, Scratch& sc) {
+  const int64_t t0 = std::max(p * kPart, first_chunk(rows));
+  const int64_t t1 = std::min((p + 1) * kPart, rows[g.n - 1].visible);
+  sc.acc.assign(g.n * src.s.dim, 0.0f);
+  sc.maxes.assign(g.n, -INFINITY);
+  sc.sums.assign(g.n, 0.0f);
+  if (t0 >= t1) return;
+  if (g.lanes)
+    attend_lanes(rows, g.n, src, t0, t1, sc);
+  else
+    attend_rows(rows, g.n, src, t0, t1, sc);
+}
+
+// A row's state across partitions: [max, sum, acc[dim]].
+inline int64_t state_size(int64_t dim) { return dim + 2; }
+
+// Fold one partition's (max m, sum, acc) of a row into its state (see top).
+inline void fold(float m, float sum, const float* acc, int64_t dim, float* state) {
+  if (m == -INFINITY) return;  // the row saw no key there
+  if (state[0] == -INFINITY) {
+    state[0] = m;
+    state[1] = sum;
+    std::copy(acc, acc + dim, state + 2);
+    return;
+  }
+  const float top = std::max(state[0], m);
+  const float c = exp1(state[0] - top), cp = exp1(m - top);
+  state[0] = top;
+  state[1] = std::fma(state[1], c, sum * cp);
+  for (int64_t d = 0; d < dim; d += 16)
+    store16(state + 2 + d, fma16(load16(state + 2 + d), splat(c), load16(acc + d) * cp));
+}
+
+inline void fresh_states(int64_t n, int64_t dim, std::vector<float>& states) {
+  states.assign(n * state_size(dim), 0.0f);
+  for (int64_t r = 0; r < n; ++r) states[r * state_size(dim)] = -INFINITY;
+}
+
+inline void finish(const float* acc, float sum, int64_t dim, float* out) {
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  for (int64_t d = 0; d < dim; d += 16) store16(out + d, load16(acc + d) * inv);
+}
+
+inline Source source_of(const Item& w, const uint8_t* kc, const uint8_t* vc,
+                        const int32_t* block_tables, const Shape& s, float scale) {
+  const int64_t group = s.heads / s.kv_heads;
+  return {kc, vc, block_tables + w.seq * s.table_width, s, w.h0 / group, scale};
+}
+
+// One whole item: each group's partitions in turn, folded as they come.
+void attend_item(const Item& w, const float* query, const uint8_t* kc, const uint8_t* vc,
+                 const int32_t* block_tables, const int32_t* context_lens,
+                 const int32_t* query_start, const Shape& s, float scale, float* out,
+                 Scratch& sc) {
+  const int64_t dim = s.dim;
+  const Source src = source_of(w, kc, vc, block_tables, s, scale);
+  item_rows(w, query, context_lens, query_start, s, out, sc.rows);
+  for (const Group& g : groups_of(static_cast<int64_t>(sc.rows.size()))) {
+    const Row* rows = sc.rows.data() + g.r0;
+    const int64_t lo = first_part(rows), hi = last_part(rows, g.n);
+    if (lo == hi) {  // one partition: its state is the result's
+      attend_part(rows, g, src, lo, sc);
+      for (int64_t r = 0; r < g.n; ++r)
+        finish(sc.acc.data() + r * dim, sc.sums[r], dim, rows[r].out);
+      continue;
+    }
+    fresh_states(g.n, dim, sc.states);
+    for (int64_t p = lo; p <= hi; ++p) {
+      attend_part(rows, g, src, p, sc);
+      for (int64_t r = 0; r < g.n; ++r)
+        fold(sc.maxes[r], sc.sums[r], sc.acc.data() + r * dim, dim,
+             sc.states.data() + r * state_size(dim));
+    }
+    for (int64_t r = 0; r < g.n; ++r) {
+      const float* st = sc.states.data() + r * state_size(dim);
+      finish(st + 2, st[1], dim, rows[r].out);
+    }
+  }
+}
+
+// The partitions of an item: those of its first row's first key to its last row's last.
+inline void item_parts(const Item& w, const int32_t* context_lens, const int32_t* query_start,
+                       const Shape& s, int64_t& lo, int64_t& hi) {
+  const int64_t qlen = query_start[w.seq + 1] - query_start[w.seq], ctx = context_lens[w.seq];
+  const int64_t first_visible = ctx - qlen + w.q0 + 1, last_visible = ctx - qlen + w.q1;
+  const int64_t first =
+      s.window > 0 ? std::max<int64_t>(0, first_visible - s.window) : 0;
+  lo = first / kPart;
+  hi = (last_visible - 1) / kPart;
+}
+
+// Split-K: one work unit per (item, partition); units write their rows' states to `states`
+// (unit u's at offsets[u]), then each item folds its units in partition order.
+struct Unit {
+  int64_t item, part, offset;
+};
+
+void attend_split(const std::vector<Item>& items, const float* query, const uint8_t* kc,
+                  const uint8_t* vc, const int32_t* block_tables, const int32_t* context_lens,
+                  const int32_t* query_start, const Shape& s, float scale, float* out) {
+  const int64_t dim = s.dim, width = state_size(dim);
+  std::vector<Unit> units;
+  std::vector<int64_t> first_unit(items.size() + 1);
+  int64_t size = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    int64_t lo, hi;
+    item_parts(items[i], context_lens, query_start, s, lo, hi);
+    const int64_t n_rows = (items[i].q1 - items[i].q0) * (items[i].h1 - items[i].h0);
+    first_unit[i] = static_cast<int64_t>(units.size());
+    for (int64_t p = lo; p <= hi; ++p) {
+      units.push_back({static_cast<int64_t>(i), p, size});
+      size += n_rows * width;
+    }
+  }
+  first_unit[items.size()] = static_cast<int64_t>(units.size());
+  std::vector<float> states(size);
+  const int64_t n_units = static_cast<int64_t>(units.size());
+  const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel
+  {
+    Scratch sc;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < n_units; ++u) {
+      const Item& w = items[units[u].item];
+      const Source src = source_of(w, kc, vc, block_tables, s, scale);
+      item_rows(w, query, context_lens, query_start, s, out, sc.rows);
+      for (const Group& g : groups_of(static_cast<int64_t>(sc.rows.size()))) {
+        attend_part(sc.rows.data() + g.r0, g, src, units[u].part, sc);
+        float* dst = states.data() + units[u].offset + g.r0 * width;
+        for (int64_t r = 0; r < g.n; ++r) {
+          dst[r * width] = sc.maxes[r];
+          dst[r * width + 1] = sc.sums[r];
+          std::copy(sc.acc.data() + r * dim, sc.acc.data() + (r + 1) * dim, dst + r * width + 2);
+        }
+      }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) {
+      item_rows(items[i], query, context_lens, query_start, s, out, sc.rows);
+      const int64_t n_rows = static_cast<int64_t>(sc.rows.size());
+      fresh_states(n_rows, dim, sc.states);
+      for (int64_t u = first_unit[i]; u < first_unit[i + 1]; ++u)
+        for (int64_t r = 0; r < n_rows; ++r) {
+          const float* part = states.data() + units[u].offset + r * width;
+          fold(part[0], part[1], part + 2, dim, sc.states.data() + r * width);
+        }
+      for (int64_t r = 0; r < n_rows; ++r) {
+        const float* st = sc.states.data() + r * width;
+        finish(st + 2, st[1], dim, sc.rows[r].out);
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -401,17 +589,24 @@ HR_EXPORT void hr_paged_attention(const float* query, const void* key_cache,
             (window > 0 ? std::min<int64_t>(window, context_lens[i]) : context_lens[i]) *
             heads * dim;
   const bool parallel = work >= kParallelWork;
-  // One item per (sequence, KV head, query tile), never split further: each item
-  // transposes what it reads (one decoding sequence has 3 items, and splitting them per
-  // head measured slower on 2 cores than the imbalance).
+  // One item per (sequence, KV head, query tile): each item transposes what it reads
+  // (splitting a decoding sequence's 3 items per query head measured slower on 2 cores
+  // than the imbalance). Too few items for the threads, and some spanning partitions:
+  // split them per partition instead (same bits).
   std::vector<Item> items;
+  bool spans = false;
   for (int32_t i = 0; i < num_seqs; ++i) {
     const int64_t qlen = query_start[i + 1] - query_start[i];
+    spans = spans || context_lens[i] > kPart;
     for (int64_t q0 = 0; q0 < qlen; q0 += kQTile)
       for (int32_t h = 0; h < heads; h += static_cast<int32_t>(group))
         items.push_back({i, h, h + static_cast<int32_t>(group), q0, std::min(qlen, q0 + kQTile)});
   }
   const int64_t count = static_cast<int64_t>(items.size());
+  const int threads = omp_get_max_threads();
+  if (parallel && spans && threads > 1 && count < kSplitItems * threads)
+    return attend_split(items, query, kc, vc, block_tables, context_lens, query_start, s, scale,
+                        out);
 #pragma omp parallel if (count > 1 && parallel)
   {
     Scratch scratch;
