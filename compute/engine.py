@@ -86,6 +86,33 @@ class Engine:
             self._build(config, device, dtype, loaded)
 
     def _build(self, config: EngineConfig, device, dtype, loaded: LoadedModel | None) -> None:
+        self.device, self.dtype = device, dtype
+        model = self._build_model(config, loaded)
+        self._build_cache(config, model)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tuple(self.model_config.eos_token_ids),
+            num_host_blocks=self.num_host_blocks,
+            vocab_size=self.model_config.vocab_size,
+            speculative=config.speculative,
+        )
+        self.async_output = _async_output(config, device)
+        self._log_speculative(config)
+        self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # launched, unread
+        self._ids = itertools.count()
+        self._failed: list[tuple[str, str]] = []
+        self._prompt_tokens = 0
+        self.last_step_timing: StepTiming | None = None  # of the latest step()
+        self._generation_tokens = 0
+
+    def _build_model(self, config: EngineConfig, loaded: LoadedModel | None) -> LlamaModel:
+        """The model on self.device, checked against the kernels that will run it (so a model
+        they cannot serve fails now, not at the first step); sets the model's config,
+        tokenizer, length limit, weights mode and KV dtype."""
+        device, dtype = self.device, self.dtype
         native, weights = cpu_execution(config.device, device, dtype)
         if loaded is None:
             loaded = load_model(
@@ -95,11 +122,10 @@ class Engine:
                 seed=config.seed,
                 quantized=weights != "dense",
             )
-        self.device, self.dtype = device, dtype
-        self.model_config = loaded.config
+        cfg = loaded.config
+        self.model_config = cfg
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = _max_model_len(config.scheduler.max_model_len, loaded.config, device)
-        cfg = loaded.config  # fail now, not at the first step, if the kernels cannot serve it
+        self.max_model_len = _max_model_len(config.scheduler.max_model_len, cfg, device)
         if device.type == "cuda" and cfg.attn_logit_softcap is not None:
             raise ValueError(
                 f"model: attn_logit_softcapping ({cfg.attn_logit_softcap}) is not applied by "
@@ -114,9 +140,7 @@ class Engine:
             config.cache.block_size,
             native_cpu=native,
         )
-        model = LlamaModel(
-            loaded.config, loaded.weights, native=native, int8=weights == "quantized-int8"
-        )
+        model = LlamaModel(cfg, loaded.weights, native=native, int8=weights == "quantized-int8")
         # What took effect: a source without GGUF blocks (HF, dummy) loads dense anyway.
         self.weights = weights if model.quantized else "dense"
         self.kv_dtype = kv_cache_dtype(config.cache, device, dtype, self.weights)
@@ -125,31 +149,27 @@ class Engine:
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
         )  # fmt: skip
         loaded.weights.clear()  # the model holds its own (fused) copies now
+        return model
+
+    def _build_cache(self, config: EngineConfig, model: LlamaModel) -> None:
+        """The KV cache's blocks (device and, for swap preemption, host) and the runner that
+        owns them and the model."""
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or default_num_blocks(
-            config, loaded.config, device, self.kv_dtype, self.max_model_len
+            config, self.model_config, self.device, self.kv_dtype, self.max_model_len
         )
-        num_host_blocks = 0
+        self.num_host_blocks = 0
         if config.scheduler.preemption_mode == "swap":
-            num_host_blocks = blocks_for_memory(
-                loaded.config, config.cache, config.cache.swap_space_gib, self.kv_dtype
+            self.num_host_blocks = blocks_for_memory(
+                self.model_config, config.cache, config.cache.swap_space_gib, self.kv_dtype
             )
         self.runner = ModelRunner(
-            model, config.cache, self.num_blocks, num_host_blocks, config.seed, self.kv_dtype
+            model, config.cache, self.num_blocks, self.num_host_blocks, config.seed, self.kv_dtype
         )
         self.runner.graphs = self._decode_graphs(config)
         self.memory = log_memory(model, self.runner)  # one 'memory' log line: where RSS goes
-        self.scheduler = Scheduler(
-            config.scheduler,
-            config.cache,
-            num_blocks=self.num_blocks,
-            max_model_len=self.max_model_len,
-            eos_token_ids=tuple(loaded.config.eos_token_ids),
-            num_host_blocks=num_host_blocks,
-            vocab_size=loaded.config.vocab_size,
-            speculative=config.speculative,
-        )
-        self.async_output = _async_output(config, device)
+
+    def _log_speculative(self, config: EngineConfig) -> None:
         spec = config.speculative
         if spec.enabled:
             log.info(
@@ -161,12 +181,6 @@ class Engine:
                 max_batch=spec.max_batch,
                 async_output=self.async_output,
             )
-        self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # launched, unread
-        self._ids = itertools.count()
-        self._failed: list[tuple[str, str]] = []
-        self._prompt_tokens = 0
-        self.last_step_timing: StepTiming | None = None  # of the latest step()
-        self._generation_tokens = 0
 
     def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
         """CUDA graphs of decode steps when asked (or by default on CUDA). A capture that
