@@ -28,7 +28,8 @@ from pathlib import Path
 import grpc
 import openai
 
-from bench.common import bar_panel, load_average, new_figure, percentile, publish, save_figure
+from bench.common import bar_panel, load_average, new_figure, publish, save_figure
+from services.bench.stats import percentile
 from services.client import client
 from services.gen.headrace.v1 import generation_pb2_grpc
 from tests.support.gateway_stack import Stack, served_model

@@ -31,6 +31,7 @@ from bench import common
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
+from services.bench.stats import percentile
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,9 +129,9 @@ def run(args: argparse.Namespace, batch: int, async_output: bool) -> dict:
         "mode": "async" if async_output else "sync",
         "batch": batch,
         "step_ms_median": round(step_ms, 4),
-        "step_ms_p90": round(common.percentile(steps, 90), 4),
+        "step_ms_p90": round(percentile(steps, 90), 4),
         "gap_ms_median": round(gap_ms, 4),
-        "gap_ms_p90": round(common.percentile(gaps, 90), 4),
+        "gap_ms_p90": round(percentile(gaps, 90), 4),
         "gap_over_step": round(gap_ms / step_ms, 4) if step_ms else None,
         "wall_ms_per_step": round(wall * 1e3 / args.steps, 4),
         "decode_tok_s": round(batch * args.steps / wall, 1),

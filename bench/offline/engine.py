@@ -13,6 +13,7 @@ from typing import Any
 
 from bench import common
 from bench.offline.workload import Workload, int_list
+from services.bench.stats import percentile
 
 
 def load_engine(args: argparse.Namespace, max_num_seqs: int, prefill_interval: int):
@@ -95,11 +96,11 @@ def latency_stats(token_times: dict[str, list[float]], arrivals: list[float]) ->
     ms = 1000.0
     return {
         "itl_mean_ms": round(statistics.mean(gaps) * ms, 2) if gaps else None,
-        "itl_p50_ms": round(common.percentile(gaps, 50) * ms, 2) if gaps else None,
-        "itl_p99_ms": round(common.percentile(gaps, 99) * ms, 2) if gaps else None,
+        "itl_p50_ms": round(percentile(gaps, 50) * ms, 2) if gaps else None,
+        "itl_p99_ms": round(percentile(gaps, 99) * ms, 2) if gaps else None,
         "itl_max_ms": round(max(gaps) * ms, 2) if gaps else None,
         "ttft_mean_s": round(statistics.mean(ttft), 3),
-        "ttft_p99_s": round(common.percentile(ttft, 99), 3),
+        "ttft_p99_s": round(percentile(ttft, 99), 3),
     }
 
 
