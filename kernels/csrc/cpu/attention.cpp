@@ -54,6 +54,9 @@ namespace {
 constexpr int kChunk = 16;      // keys per softmax step
 constexpr int64_t kQTile = 16;  // queries of one sequence per work item
 constexpr int64_t kLaneRows = 8;  // an item with at least this many rows puts rows in lanes
+// Prefetch distance in chunks, into L2: one stream at 4k context, one thread, measured 12-20%
+// faster than the next chunk into L1 (2, 4 and 8 alike).
+constexpr int64_t kAheadChunks = 4;
 constexpr int64_t kPart = 256;    // keys per partition (a multiple of kChunk)
 constexpr int64_t kSplitItems = 4;  // split items in partitions below this many per thread
 
@@ -188,7 +191,7 @@ struct Chunk {
   int64_t n;
 };
 
-// The chunk's rows as fp32 (keys before `last`), and a prefetch of the next chunk's (up to
+// The chunk's rows as fp32 (keys before `last`), and a prefetch of a later chunk's (up to
 // `prefetch_end`, the item's last key, past the partition's end): decode at
 // long contexts streams the cache from DRAM, one scattered row per key and head. An fp32
 // cache is read in place; a 16- or 8-bit one is widened into the scratch rows (so the
@@ -202,10 +205,17 @@ inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* tabl
     return (static_cast<int64_t>(table[pos / s.block_size]) * s.block_size +
             pos % s.block_size) * slot_bytes + kv_head * row_bytes;
   };
+  // Blocks of a multiple of kChunk slots hold whole chunks (t0 is a multiple of kChunk): one
+  // table lookup per chunk, the keys' rows slot_bytes apart; else one per key.
+  const bool whole = s.block_size % kChunk == 0;
+  auto offset_of = [&](int64_t base, int64_t t, int64_t i) {
+    return whole ? base + i * slot_bytes : at(t + i);
+  };
   ch.n = std::min<int64_t>(kChunk, last - t0);
+  const int64_t base = whole ? at(t0) : 0;
   if (s.kv_dtype == kKvF32) {
     for (int64_t i = 0; i < ch.n; ++i) {
-      const int64_t offset = at(t0 + i);
+      const int64_t offset = offset_of(base, t0, i);
       ch.k[i] = reinterpret_cast<const float*>(kc + offset);
       ch.v[i] = reinterpret_cast<const float*>(vc + offset);
     }
@@ -213,7 +223,7 @@ inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* tabl
     sc.kw.resize(kChunk * s.dim);
     sc.vw.resize(kChunk * s.dim);
     for (int64_t i = 0; i < ch.n; ++i) {
-      const int64_t offset = at(t0 + i);
+      const int64_t offset = offset_of(base, t0, i);
       float* k = sc.kw.data() + i * s.dim;
       float* v = sc.vw.data() + i * s.dim;
       kv_widen(kc + offset, s.kv_dtype, s.dim, k);
@@ -222,12 +232,16 @@ inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* tabl
       ch.v[i] = v;
     }
   }
-  const int64_t next = std::min<int64_t>(prefetch_end, t0 + 2 * kChunk);
-  for (int64_t pos = t0 + kChunk; pos < next; ++pos) {
-    const int64_t offset = at(pos);
+  // The chunk kAheadChunks ahead into L2 (prefetches into L1 hold the core's few miss
+  // buffers, as in quant_linear_int8.cpp).
+  const int64_t t_next = t0 + kAheadChunks * kChunk;
+  const int64_t n_next = std::min<int64_t>(prefetch_end, t_next + kChunk) - t_next;
+  const int64_t next_base = whole && n_next > 0 ? at(t_next) : 0;
+  for (int64_t i = 0; i < n_next; ++i) {
+    const int64_t offset = offset_of(next_base, t_next, i);
     for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(kc + offset + b), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(vc + offset + b), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(kc + offset + b), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(vc + offset + b), _MM_HINT_T1);
     }
   }
 }
