@@ -324,3 +324,33 @@ def test_sentencepiece_gguf_batched_chunked_and_over_grpc(converted) -> None:
     assert (info.sliding_window, info.sliding_window_layers) == (WINDOW, 2)
     assert (info.attn_logit_softcapping, info.final_logit_softcapping) == (20.0, 15.0)
     assert got == expected[q8]
+
+
+def test_mistral_gguf_without_its_window_is_a_llama_model(tmp_path: Path) -> None:
+    """llama.cpp's converter writes a Mistral checkpoint as architecture `llama` with no
+    sliding window: the file is another model than the checkpoint once a prompt passes the
+    window. headrace serves it as what it says, a llama model with full attention (as
+    llama.cpp does): transformers' tokens on the same weights without the window. The same
+    file given its window (llama.attention.sliding_window) is served with it."""
+    model = build_hf_model(tmp_path / "hf", "mistral-window")
+    assert model.config.sliding_window == WINDOW
+    f32 = convert(tmp_path / "hf", tmp_path / "mistral-f32.gguf", "f32")
+    loaded = load_model(str(f32), progress=False)
+    assert loaded.config.architecture == "llama" and loaded.config.sliding_window is None
+    assert loaded.config.features() == ()
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    assert min(len(p) for p in prompts[:2]) > WINDOW
+    full = copy.deepcopy(model)
+    full.config.sliding_window = None
+    expected = hf_greedy(full, prompts)
+    assert expected != hf_greedy(model, prompts)  # the window changes these tokens
+    for weights, kernels in (("dense", "torch"), ("dense", "native")):
+        engine = engine_for(f32, weights, kernels)
+        assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == expected
+    from tests.engine.test_model_families_moe_gguf import _copy_gguf
+
+    key = {"llama.attention.sliding_window": WINDOW}
+    windowed = _copy_gguf(f32, tmp_path / "mistral-window.gguf", (), key)
+    assert load_model(str(windowed), progress=False).config.sliding_window == WINDOW
+    engine = engine_for(windowed, "dense", "native", chunk=16)
+    assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == hf_greedy(model, prompts)
