@@ -59,7 +59,8 @@ GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
 OVERRIDES = {
     "gemma3": {"query_pre_attn_scalar": 32, "num_hidden_layers": 6, "layer_types": GEMMA3_LAYERS},
     "gemma2": {"query_pre_attn_scalar": 32},
-    # Phi-3 mini's config has a window (2047) that llama.cpp honours: here one the prompts pass.
+    # Phi-3 mini's config has a window (2047), applied by transformers (llama.cpp reads it
+    # but turns Phi-3's window off): here one the prompts pass.
     "phi3": {"sliding_window": WINDOW},
 }
 # Families whose converter needs a SentencePiece tokenizer.model: (transformers' tokenizer
