@@ -28,7 +28,7 @@ import torch
 
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.engine import Engine
-from compute.loaders import load_model
+from compute.loaders import ModelLoadError, load_model
 from compute.tokenizer import Tokenizer
 from tests.engine.test_gemma3_270m import CHAT, CHAT_TEMPLATE
 from tests.engine.test_gguf_sentencepiece import TEXTS
@@ -355,3 +355,16 @@ def test_mistral_gguf_without_its_window_is_a_llama_model(tmp_path: Path) -> Non
     assert load_model(str(windowed), progress=False).config.sliding_window == WINDOW
     engine = engine_for(windowed, "dense", "native", chunk=16)
     assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == hf_greedy(model, prompts)
+
+
+def test_phi3_longrope_gguf_is_refused(tmp_path: Path) -> None:
+    """Phi-3 128k's LongRoPE, which the converter writes as rope_factors_long/short
+    tensors, is refused at load, naming them, rather than served with plain RoPE."""
+    tokens = sentencepiece_tokenizer(tmp_path / "hf", "phi3")
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+            "original_max_position_embeddings": 128}  # fmt: skip
+    build_hf_model(tmp_path / "hf", "phi3", tokenizer=False, rope_scaling=rope, **tokens)
+    f32 = convert(tmp_path / "hf", tmp_path / "phi3-longrope.gguf", "f32")
+    with pytest.raises(ModelLoadError, match=r"rope_factors_long\.weight, rope_factors_short"
+                       r"\.weight: LongRoPE scaling \(Phi-3 128k\) is not supported"):  # fmt: skip
+        load_model(str(f32), progress=False)
