@@ -81,6 +81,8 @@ _GEMMA_NORM_NAMES = {
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ RoPE scaling: llama.cpp's per-frequency divisors, read into the config.
 _ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE (128k models): per-frequency factors for short and long contexts.
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # rope.scaling.type values headrace honours ("none" and linear; llama3 is rope_freqs).
 _ROPE_SCALING_TYPES = ("none", "linear")
 # GGUF block formats the CPU kernels compute with directly (kernels/quant.py).
@@ -229,6 +231,12 @@ def _rope(
         raise ModelLoadError(
             f"{path}: {arch}.rope.scaling.type: {scaling!r} is not supported (supported: "
             f"{supported}, and llama3 as a rope_freqs tensor); headrace cannot serve it"
+        )
+    longrope = sorted(n for n in names if n in _LONGROPE_TENSORS)
+    if longrope:
+        raise ModelLoadError(
+            f"{path}: {', '.join(longrope)}: LongRoPE scaling (Phi-3 128k) is not supported; "
+            "headrace cannot serve it"
         )
     dims = gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
     if dims != head_dim:

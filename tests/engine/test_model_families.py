@@ -109,9 +109,12 @@ def _smollm2_tokenizer(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def build_hf_model(directory: Path, family: str, seed: int = 0, **overrides):
+def build_hf_model(
+    directory: Path, family: str, seed: int = 0, tokenizer: bool = True, **overrides
+):
     """A tiny random-weight `family` model (its config changed by `overrides`) saved to
-    `directory` (safetensors + tokenizer); returns the transformers model (fp32, eval)."""
+    `directory` (safetensors + the SmolLM2 tokenizer, or none: `tokenizer=False` when the
+    caller writes its own); returns the transformers model (fp32, eval)."""
     config_class, extra = FAMILIES[family]
     config = getattr(transformers, config_class)(**{**SMALL, **extra, **overrides})
     torch.manual_seed(seed)
@@ -130,7 +133,8 @@ def build_hf_model(directory: Path, family: str, seed: int = 0, **overrides):
                     param.normal_(3.0, 0.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
-    _smollm2_tokenizer(directory)
+    if tokenizer:
+        _smollm2_tokenizer(directory)
     return model
 
 
@@ -190,10 +194,9 @@ def test_chunked_prefill_equals_transformers(family) -> None:
     assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == expected
 
 
-def test_through_the_grpc_server_equals_transformers(family) -> None:
-    name, path, prompts, expected = family
-    if name not in ("llama3", "gemma3"):
-        pytest.skip("once, on the Llama 3.x model, once on Gemma 3")
+def grpc_greedy(engine: Engine, prompts: list[list[int]]):
+    """(GetModelInfo's reply, the greedy tokens of each prompt) from a gRPC server around
+    `engine`, the prompts sent as one GenerateBatch."""
     from services.gen.headrace.v1 import generation_pb2 as pb
     from tests.conftest import running_server
 
@@ -206,24 +209,32 @@ def test_through_the_grpc_server_equals_transformers(family) -> None:
         for ids in prompts
     ]
     got: dict[int, list[int]] = {i: [] for i in range(len(requests))}
-    with running_server(engine_for(path, "native")) as running:
+    with running_server(engine) as running:
         info = running.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
-        if name == "gemma3":  # the architecture and the deltas in use
-            assert info.architecture == "gemma3_text" and info.rope_type == "default"
-            assert (info.sliding_window, info.sliding_window_layers, info.num_layers) == (
-                WINDOW, 2, 3)  # fmt: skip
-            assert info.attn_logit_softcapping == 0 and info.final_logit_softcapping == 0
-            assert {"qk_norm", "gelu_tanh_mlp", "sandwich_norms", "rope_local_theta=10000",
-                    "query_pre_attn_scalar=24", f"sliding_window={WINDOW} (2 of 3 layers)",
-                    } <= set(info.features)  # fmt: skip
-        else:
-            assert info.rope_type == "llama3" and info.sliding_window == 0
-            assert list(info.features) == ["rope=llama3 (factor 8)"]
         batch = pb.GenerateBatchRequest(requests=requests)
         for response in running.stub().GenerateBatch(batch, timeout=120):
             if response.HasField("chunk"):
                 got[response.index].extend(response.chunk.token_ids)
-    assert [got[i] for i in range(len(requests))] == expected
+    return info, [got[i] for i in range(len(requests))]
+
+
+def test_through_the_grpc_server_equals_transformers(family) -> None:
+    name, path, prompts, expected = family
+    if name not in ("llama3", "gemma3"):
+        pytest.skip("once, on the Llama 3.x model, once on Gemma 3")
+    info, got = grpc_greedy(engine_for(path, "native"), prompts)
+    if name == "gemma3":  # the architecture and the deltas in use
+        assert info.architecture == "gemma3_text" and info.rope_type == "default"
+        assert (info.sliding_window, info.sliding_window_layers, info.num_layers) == (
+            WINDOW, 2, 3)  # fmt: skip
+        assert info.attn_logit_softcapping == 0 and info.final_logit_softcapping == 0
+        assert {"qk_norm", "gelu_tanh_mlp", "sandwich_norms", "rope_local_theta=10000",
+                "query_pre_attn_scalar=24", f"sliding_window={WINDOW} (2 of 3 layers)",
+                } <= set(info.features)  # fmt: skip
+    else:
+        assert info.rope_type == "llama3" and info.sliding_window == 0
+        assert list(info.features) == ["rope=llama3 (factor 8)"]
+    assert got == expected
 
 
 def test_loaded_config_carries_the_family_settings(family) -> None:

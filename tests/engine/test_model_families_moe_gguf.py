@@ -195,8 +195,8 @@ def test_llama_quantized_moe_greedy_equals_transformers(wide_f32, tmp_path, kind
     assert formats & ({"q4_k", "q6_k"} if kind == "Q4_K_M" else {"q4_0"}), formats
 
 
-def _copy_gguf(src: Path, dst: Path, drop: tuple[str, ...]) -> Path:
-    """`src` rewritten without the metadata keys `drop`."""
+def _copy_gguf(src: Path, dst: Path, drop: tuple[str, ...], add: dict | None = None) -> Path:
+    """`src` rewritten without the metadata keys `drop` (with the uint32 keys `add`)."""
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dst, arch)
@@ -205,6 +205,8 @@ def _copy_gguf(src: Path, dst: Path, drop: tuple[str, ...]) -> Path:
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for key, value in (add or {}).items():
+        writer.add_uint32(key, value)
     for t in reader.tensors:
         writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
