@@ -9,7 +9,9 @@ On the embedded model (quantized CPU kernels unless ``--device cuda``), greedy:
   same batch over time. Reported per mode: generated tokens / wall time of the whole batch
   and the median per-request decode rate ((tokens - 1) / (last - first token time)); the
   ratio constrained / unconstrained is the headline (goal: >= 0.9 at 32 streams). Runs
-  alternate the two modes, ``--reps`` times.
+  alternate the two modes, ``--reps`` times. Each run also says where its steps' time went
+  (``per_step_ms``, the engine's StepTiming averaged over its steps: schedule, forward,
+  sample (logits, grammar masks, sampling, resolve) and, within it, the masks' fill).
 - compile: each schema's compile through stage 1's compile stage, cold (a new stage,
   an empty cache) and cached (the same text again).
 - first token: one request through the whole pipeline (stages 1-3), unconstrained and with
@@ -59,9 +61,14 @@ def run_batch(engine, prompts: list[list[int]], params: list) -> dict[str, Any]:
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"b{i}", prompt, p)
         times[f"b{i}"], ids[f"b{i}"] = [], []
+    spent = dict.fromkeys(("schedule_s", "forward_s", "sample_s", "mask_s"), 0.0)
+    steps = 0
     while engine.has_unfinished():
         outputs = engine.step()
         now = time.perf_counter()
+        steps += 1
+        for key in spent:
+            spent[key] += getattr(engine.last_step_timing, key)
         for out in outputs:
             times[out.request_id] += [now] * len(out.new_token_ids)
             ids[out.request_id] += list(out.new_token_ids)
@@ -73,6 +80,8 @@ def run_batch(engine, prompts: list[list[int]], params: list) -> dict[str, Any]:
         "tokens": [len(ids[r]) for r in order],
         "tok_s": sum(len(ids[r]) for r in order) / wall,
         "median_decode_tok_s": statistics.median(r for r in rates if r is not None),
+        "steps": steps,
+        "per_step_ms": {key[:-2]: 1e3 * value / steps for key, value in spent.items()},
     }
 
 
@@ -101,7 +110,10 @@ def decode(engine, compiled: list, prompts: list[list[int]], args) -> dict[str, 
             u = run_batch(engine, batch, plain)
             runs["constrained"].append(c)
             runs["unconstrained"].append(u)
-            print(f"streams {streams} rep {rep}: {c['tok_s']:.1f} vs {u['tok_s']:.1f} tok/s")
+            print(
+                f"streams {streams} rep {rep}: {c['tok_s']:.1f} vs {u['tok_s']:.1f} tok/s; "
+                f"per step {c['per_step_ms']} vs {u['per_step_ms']} ms"
+            )
         med = {m: statistics.median(r["tok_s"] for r in rs) for m, rs in runs.items()}
         result[f"streams_{streams}"] = {
             "tok_s_constrained": med["constrained"],

@@ -16,6 +16,17 @@ nothing twice); a sequence whose output got shorter than what its matcher consum
 new matcher replayed from its output. The engine resolves a constrained request's step
 before it schedules the next (compute/engine.py), so its output holds no placeholder here.
 
+Per step and constrained row the cost is one matcher call to consume the new token and
+one to write the row's next-token bitmask (llguidance, one bit per token) into a
+preallocated int32 array whose row is the logits row. On the CPU the mask is then applied
+in place with NumPy (one bit unpack and one masked write per run of adjacent constrained
+rows: single-threaded, so no OpenMP fork-join per step, which on a busy machine cost far
+more than the work), and the masks are filled on the calling thread: llguidance's
+parallel executor adds a thread pool that competes with the model's own threads for the
+same cores. On a GPU the executor fills the rows in parallel (the CPU is otherwise idle)
+and the mask is unpacked and applied on the device, out of place. Measured in
+docs/performance.md (the constrained section).
+
 EOS: the model's EOS ids are llguidance's, so the grammar allows them exactly where it may
 end (and only them once it must). A matcher that fails (a token the grammar rejects, a
 resource limit, a mask with no token allowed) raises ``GrammarFault``: the step fails,
@@ -28,6 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from compute.core.sequence import PLACEHOLDER, Sequence
@@ -51,27 +63,28 @@ class GrammarMasks:
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
         self._tracked: dict[str, _Tracked] = {}
-        self._bitmask = torch.empty(0, self._words, dtype=torch.int32)
+        # Host bitmask, row i for logits row i (rows of unconstrained sequences unused);
+        # grown to the largest batch seen, never shrunk.
+        self._bitmask = np.zeros((0, self._words), dtype=np.int32)
         self._shifts: dict[torch.device, torch.Tensor] = {}
         self._executor: Any = None
         self.mask_seconds = 0.0  # cumulative host time filling masks (metrics)
         self.masked_rows = 0  # cumulative rows masked
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """``logits`` with the constrained rows masked (the others as they were)."""
+        """``logits`` with the constrained rows masked (the others as they were). On the
+        CPU the rows are masked in place and ``logits`` itself is returned."""
         rows = [i for i, s in enumerate(seqs) if s.sampling_params.grammar is not None]
         if not rows:
             return logits
         start = time.perf_counter()
-        matchers = [self._synced(seqs[i]) for i in rows]
-        bitmask = self._fill(matchers, seqs, rows)
+        on_host = logits.device.type == "cpu"
+        bitmask = self._fill(seqs, rows, parallel=not on_host)
         self.mask_seconds += time.perf_counter() - start
         self.masked_rows += len(rows)
-        index = device_tensor(rows, torch.long, logits.device)
-        allowed = self._unpack(bitmask.to(logits.device))
-        masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
-        # Out of place: the model's logits may be an inference-mode tensor.
-        return logits.index_copy(0, index, masked)
+        if on_host:
+            return mask_in_place(logits, bitmask, rows)
+        return self._mask_on_device(logits, bitmask, rows)
 
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted: its matcher goes."""
@@ -81,48 +94,64 @@ class GrammarMasks:
         return len(self._tracked)
 
     def _synced(self, seq: Sequence) -> Any:
-        """The request's matcher, having consumed exactly its output tokens."""
+        """The request's matcher, having consumed exactly its output tokens (one call)."""
         tracked = self._tracked.get(seq.request_id)
         output = seq.output_token_ids
         if tracked is None or tracked.consumed > len(output):
             tracked = _Tracked(seq.sampling_params.grammar.new_matcher(), 0)
             self._tracked[seq.request_id] = tracked
+        if tracked.consumed == len(output):
+            return tracked.matcher
         new = output[tracked.consumed :]
         if PLACEHOLDER in new:
             raise GrammarFault(f"{seq.request_id}: a grammar mask before its last token is known")
-        if new:
-            if not tracked.matcher.consume_tokens(new):
-                self._tracked.pop(seq.request_id, None)
-                raise GrammarFault(f"{seq.request_id}: {tracked.matcher.get_error()[:240]}")
-            tracked.consumed = len(output)
+        if not tracked.matcher.consume_tokens(new):
+            self._tracked.pop(seq.request_id, None)
+            raise GrammarFault(f"{seq.request_id}: {tracked.matcher.get_error()[:240]}")
+        tracked.consumed = len(output)
         return tracked.matcher
 
-    def _fill(self, matchers: list[Any], seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
-        """The next-token bitmask of each matcher, one int32 row per matcher, on the host."""
-        import llguidance  # not llguidance.torch: it imports torch.compile's machinery
-
-        if self._bitmask.shape[0] < len(matchers):
-            self._bitmask = torch.empty(len(matchers), self._words, dtype=torch.int32)
-        bitmask = self._bitmask[: len(matchers)]
-        row_bytes = self._words * 4
-        if len(matchers) == 1:
-            matchers[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), row_bytes)
-        else:
+    def _fill(self, seqs: list[Sequence], rows: list[int], parallel: bool) -> np.ndarray:
+        """Row ``i`` of the result is the next-token bitmask of ``seqs[i]`` for each ``i``
+        in ``rows`` (int32 words, on the host); the other rows hold anything."""
+        if self._bitmask.shape[0] < len(seqs):
+            self._bitmask = np.zeros((len(seqs), self._words), dtype=np.int32)
+        bitmask = self._bitmask
+        base, row_bytes = bitmask.ctypes.data, bitmask.strides[0]
+        matchers = [self._synced(seqs[i]) for i in rows]
+        if parallel and len(rows) > 1:
             if self._executor is None:
+                import llguidance  # not llguidance.torch: it imports torch.compile's machinery
+
                 self._executor = llguidance.LLExecutor()
-            pairs = [(m, i) for i, m in enumerate(matchers)]
-            self._executor.unsafe_compute_mask_ptr(
-                pairs, bitmask.data_ptr(), row_bytes, len(matchers)
-            )
+            pairs = list(zip(matchers, rows, strict=True))
+            self._executor.unsafe_compute_mask_ptr(pairs, base, row_bytes, bitmask.shape[0])
+        else:
+            for matcher, row in zip(matchers, rows, strict=True):
+                matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
         for matcher, row in zip(matchers, rows, strict=True):
             if matcher.is_error():
                 request_id = seqs[row].request_id
                 self._tracked.pop(request_id, None)
                 raise GrammarFault(f"{request_id}: {matcher.get_error()[:240]}")
-        empty = (~bitmask.any(dim=1)).nonzero().flatten().tolist()
-        if empty:
-            raise GrammarFault(f"{seqs[rows[empty[0]]].request_id}: its grammar allows no token")
+        for row in rows:
+            if not bitmask[row].any():
+                raise GrammarFault(f"{seqs[row].request_id}: its grammar allows no token")
         return bitmask
+
+    def _mask_on_device(
+        self, logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]
+    ) -> torch.Tensor:
+        """Out of place on ``logits``' device: the model's logits may be an
+        inference-mode tensor, which only NumPy may write outside inference mode."""
+        every_row = len(rows) == logits.shape[0]
+        words = bitmask[: len(rows)] if every_row else bitmask[rows]
+        allowed = self._unpack(torch.from_numpy(words).to(logits.device))
+        if every_row:
+            return logits.masked_fill(~allowed, float("-inf"))
+        index = device_tensor(rows, torch.long, logits.device)
+        masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        return logits.index_copy(0, index, masked)
 
     def _unpack(self, bitmask: torch.Tensor) -> torch.Tensor:
         """int32 words [rows, words] -> bool [rows, vocab] (bit j of word w: token 32w + j)."""
@@ -132,3 +161,31 @@ class GrammarMasks:
             self._shifts[bitmask.device] = shifts
         bits = (bitmask.unsqueeze(-1) >> shifts) & 1
         return bits.view(bitmask.shape[0], -1)[:, : self.vocab_size].bool()
+
+
+def mask_in_place(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> torch.Tensor:
+    """-inf in the host tensor ``logits`` at every token whose bit is 0 in ``bitmask``'s
+    row of the same index, for the rows in ``rows`` (sorted); other rows are not touched.
+    Returns ``logits`` (a contiguous copy first if it was not contiguous)."""
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    values = logits.numpy()  # shares memory; also writes an inference-mode tensor
+    vocab_size = values.shape[1]
+    little = bitmask.astype("<i4", copy=False)  # bit j of word w is token 32w + j
+    for lo, hi in _runs(rows):
+        banned = np.unpackbits(
+            np.invert(little[lo:hi]).view(np.uint8), axis=1, count=vocab_size, bitorder="little"
+        ).view(np.bool_)
+        np.copyto(values[lo:hi], -np.inf, where=banned)
+    return logits
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Sorted row indices as [lo, hi) runs of adjacent rows: [0, 1, 2, 5] -> [(0, 3), (5, 6)]."""
+    runs: list[tuple[int, int]] = []
+    for row in rows:
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs

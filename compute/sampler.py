@@ -94,7 +94,8 @@ class Sampler:
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[torch.Tensor, LogprobRows]:
         """``sample`` without waiting for the device: int64 token ids [rows] and the
-        logprobs, both still on ``logits``' device (the caller copies them when it will)."""
+        logprobs, both still on ``logits``' device (the caller copies them when it will).
+        On the CPU the grammar masks constrained rows of float32 ``logits`` in place."""
         self._check_logits(logits, seqs)
         params = [s.sampling_params for s in seqs]
         if not seqs:
