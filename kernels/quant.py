@@ -56,6 +56,14 @@ FORMATS = {
 # Weights of different formats stacked row-wise (QuantizedWeight.stack): data is a table of
 # the parts, each computed in its own format (quant_linear.cpp hr_quant_linear).
 STACKED = BlockFormat("stacked", 8, 0, 0, 0, file_order=True)
+# Formats kept in file order (for the exact kernel) that the int8 kernel also reads, in its
+# tiled layout: Q5_0 (the nibbles as Q4_0's, then a plane of 5th bits; quant_linear_int8.cpp).
+INT8_FILE_ORDER = frozenset({"q5_0"})
+
+
+def _tiled_bytes(f: BlockFormat) -> tuple[int, int]:
+    """Code bytes per block and row, and fp16 fields per block, in the tiled layout."""
+    return (20, 1) if f.name == "q5_0" else (f.code_bytes, f.scale_fields)
 
 
 @dataclass(frozen=True)
@@ -145,57 +153,71 @@ class QuantizedWeight:
         return QuantizedWeight(first.format, data, data.shape[0], first.cols)
 
     def for_int8(self) -> QuantizedWeight:
-        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0), for the formats
-        kept in file order: Q5_0 becomes Q8_0 exactly (codes q - 16, the same d); Q4_K
-        becomes Q4_1 (the same nibbles; each block's d * sc and -dmin * m rounded to fp16,
-        a relative change below 2^-11 of the block's scale); Q5_1, Q5_K, Q6_K, IQ4_NL and
-        IQ4_XS are requantized to Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes rounded: an
+        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0, Q5_0), for the
+        formats kept in file order: Q5_0 stays Q5_0 (the kernel reads its 5-bit codes in
+        the tiled layout: 22 bytes per 32 weights, as in the file); Q4_K becomes Q4_1 (the
+        same nibbles; each block's d * sc and -dmin * m rounded to fp16, a relative change
+        below 2^-11 of the block's scale); Q5_1, Q5_K, Q6_K, IQ4_NL and IQ4_XS are
+        requantized to Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes rounded: an
         error of at most d / 2 per weight). The int8 numerics approximate anyway (activations
         in 8 bits, ~0.4% per element); the exact kernel keeps the file's weights."""
         f, rows = self.format, self.rows
-        if not f.file_order:
+        if not f.file_order or f.name in INT8_FILE_ORDER:
             return self
         if self.parts:
             raise ValueError("for_int8: convert the parts, then stack or fuse them")
-        if f.name == "q5_0":
-            d = self.data.reshape(rows, -1, 22)[..., :2].contiguous().view(torch.float16)
-            return _q8_0(rows, self.cols, d, _q5_codes(self.data, rows, 2) - 16)
         if f.name == "q4_k":
             return _q4_k_as_q4_1(self.data, rows, self.cols)
         return _requantize_q8_0(self.dequantize())
 
     def as_q8_0(self) -> QuantizedWeight:
-        """This weight requantized to Q8_0 (as for_int8 does: at most d / 2 per weight), for
-        stacking with Q8_0 parts in int8 mode; a Q8_0 weight as it is."""
-        return self if self.format.name == "q8_0" else _requantize_q8_0(self.dequantize())
+        """This weight as Q8_0, for stacking with Q8_0 parts in int8 mode: Q5_0 exactly
+        (codes q - 16, the same d), other formats requantized (as for_int8 does: at most
+        d / 2 per weight); a Q8_0 weight as it is."""
+        f, rows = self.format, self.rows
+        if f.name == "q8_0":
+            return self
+        if f.name == "q5_0" and not self.tiled_layout:
+            d = self.data.reshape(rows, -1, 22)[..., :2].contiguous().view(torch.float16)
+            return _q8_0(rows, self.cols, d, _q5_codes(self.data, rows, 2) - 16)
+        return _requantize_q8_0(self.dequantize())
 
     def tiled(self) -> QuantizedWeight:
         """The same weight in the int8 kernel's layout: rows in tiles of 16 (the last one
         zero-padded), each tile's codes block by block with 4 codes of each row per 4-byte
-        lane, then its scales block by block (spelled out in quant_linear_int8.cpp)."""
+        lane (Q5_0: their low nibbles, then the plane of 5th bits), then its scales block
+        by block (spelled out in quant_linear_int8.cpp)."""
         if self.tiled_layout:
             return self
-        if self.format.file_order:
+        if self.format.file_order and self.format.name not in INT8_FILE_ORDER:
             names = sorted({p.format.name for p in self.parts}) or [self.format.name]
             raise ValueError(
                 f"{'+'.join(names)}: no int8 kernel for this format yet"
                 " (run these weights with --weights quantized)"
             )
         f, nb, rows = self.format, self.cols // BLOCK, self.rows
+        code_bytes, fields = _tiled_bytes(f)
         padded = -(-rows // TILE) * TILE
         codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
         codes[:rows] = self.codes()
         codes = codes.reshape(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, b, t, i, k]
-        if f.code_bytes == 16:  # vector s: codes 8s.. in the low nibbles, 8s + 4.. in the high
-            codes = codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)
-        halves = torch.zeros(padded, nb * f.scale_fields * 2, dtype=torch.uint8)
-        halves[:rows] = self.data[:, nb * f.code_bytes :]
+        if code_bytes == 32:
+            blocks = codes.reshape(-1, nb, TILE * 32)
+        else:  # vector s: codes 8s.. in the low nibbles, 8s + 4.. in the high
+            low = codes & 15
+            blocks = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(-1, nb, TILE * 16)
+        if code_bytes == 20:  # Q5_0: word t's bit 4i + k = bit 4 of code 4t + k of row i
+            bits = (codes >> 4).reshape(-1, nb, 8, 8, 8)  # [tile, b, t, byte, bit]
+            plane = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+            blocks = torch.cat([blocks, plane.reshape(-1, nb, 64)], dim=-1)
+        halves = torch.zeros(padded, fields, nb, 2, dtype=torch.uint8)
+        halves[:rows] = self.scales().contiguous().view(torch.uint8).reshape(rows, fields, nb, 2)
         # [tile, i, field, b, 2 bytes] -> [tile, field, b, i, 2 bytes]
-        halves = halves.reshape(-1, TILE, f.scale_fields, nb, 2).permute(0, 2, 3, 1, 4)
+        halves = halves.reshape(-1, TILE, fields, nb, 2).permute(0, 2, 3, 1, 4)
         tiles = torch.cat(
             [
-                codes.reshape(-1, TILE * nb * f.code_bytes),
-                halves.reshape(-1, TILE * nb * 2 * f.scale_fields),
+                blocks.reshape(-1, TILE * nb * code_bytes),
+                halves.reshape(-1, TILE * nb * 2 * fields),
             ],
             dim=1,
         )
@@ -203,30 +225,43 @@ class QuantizedWeight:
         return QuantizedWeight(f, data, rows, self.cols, tiled_layout=True)
 
     def codes(self) -> torch.Tensor:
-        """The codes [rows, nb, 32] (uint8: nibbles 0..15, or int8's bytes), either layout."""
+        """The codes [rows, nb, 32] (uint8: nibbles 0..15, Q5_0's 0..31, or int8's bytes),
+        either layout."""
         f, nb = self._regrouped(), self.cols // BLOCK
+        code_bytes, _ = _tiled_bytes(f)
         if not self.tiled_layout:
+            if f.name == "q5_0":
+                return _q5_codes(self.data, self.rows, 2).to(torch.uint8)
             blocks = self.data[:, : nb * f.code_bytes].reshape(self.rows, nb, f.code_bytes)
             return torch.cat([blocks & 15, blocks >> 4], -1) if f.code_bytes == 16 else blocks
-        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, : TILE * nb * f.code_bytes]
-        vectors = 4 if f.code_bytes == 16 else 8
-        v = tiles.reshape(-1, nb, vectors, TILE, 4)  # [tile, b, vector, i, k]
-        if f.code_bytes == 16:  # [tile, b, s, i, k] -> [tile, b, t = 2s + nibble, i, k]
+        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, : TILE * nb * code_bytes]
+        blocks = tiles.reshape(-1, nb, TILE * code_bytes)
+        vectors = 8 if code_bytes == 32 else 4
+        v = blocks[:, :, : TILE * 4 * vectors].reshape(-1, nb, vectors, TILE, 4)
+        if code_bytes != 32:  # [tile, b, s, i, k] -> [tile, b, t = 2s + nibble, i, k]
             v = torch.stack([v & 15, v >> 4], dim=3).flatten(2, 3)
+        if code_bytes == 20:  # Q5_0: bit 4i + k of word t of the plane is bit 4 of v[t, i, k]
+            plane = blocks[:, :, TILE * 16 :].reshape(-1, nb, 8, 8, 1)
+            bits = (plane >> torch.arange(8, dtype=torch.uint8)) & 1  # [tile, b, t, byte, bit]
+            v = v | (bits.reshape(-1, nb, 8, TILE, 4) << 4)
         return v.permute(0, 3, 1, 2, 4).reshape(-1, nb, BLOCK)[: self.rows]
 
     def scales(self) -> torch.Tensor:
         """The fp16 scales [rows, fields, nb] (d, then m for Q4_1), either layout."""
         f, nb = self._regrouped(), self.cols // BLOCK
+        code_bytes, fields = _tiled_bytes(f)
         if not self.tiled_layout:
+            if f.name == "q5_0":
+                raw = self.data.reshape(self.rows, nb, 22)[..., :2].contiguous()
+                return raw.view(torch.float16).reshape(self.rows, 1, nb)
             raw = self.data[:, nb * f.code_bytes :].contiguous()
             return raw.view(torch.float16).reshape(self.rows, f.scale_fields, nb)
-        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * f.code_bytes :]
-        h = tiles.contiguous().view(torch.float16).reshape(-1, f.scale_fields, nb, TILE)
-        return h.permute(0, 3, 1, 2).reshape(-1, f.scale_fields, nb)[: self.rows]
+        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * code_bytes :]
+        h = tiles.contiguous().view(torch.float16).reshape(-1, fields, nb, TILE)
+        return h.permute(0, 3, 1, 2).reshape(-1, fields, nb)[: self.rows]
 
     def _regrouped(self) -> BlockFormat:
-        if self.format.file_order:
+        if self.format.file_order and self.format.name not in INT8_FILE_ORDER:
             raise ValueError(f"{self.format.name}: codes and scales are read in file order")
         return self.format
 
@@ -235,13 +270,15 @@ class QuantizedWeight:
         f = self.format
         if self.parts:
             return torch.cat([p.dequantize() for p in self.parts])
-        if f.file_order:
+        if f.file_order and not self.tiled_layout:
             return _DEQUANTIZE_FILE_ORDER[f.name](self.data, self.rows).reshape(self.rows, -1)
         halves = self.scales()
         d = halves[:, 0].float().unsqueeze(-1)
         q = self.codes()
         if f.code_bytes == 32:  # int8 codes
             return (q.view(torch.int8).float() * d).reshape(self.rows, self.cols)
+        if f.name == "q5_0":  # as gguf: d * (q - 16)
+            return (d * (q.int() - 16).float()).reshape(self.rows, self.cols)
         offset = halves[:, 1].float().unsqueeze(-1) if f.scale_fields == 2 else -8.0 * d
         return (q.float() * d + offset).reshape(self.rows, self.cols)
 

@@ -5,8 +5,8 @@
 // product scaled once:  d * dx * sum(q * xq) + m * dx * sum(xq), so the weights are never
 // expanded to floats. Only the activations are approximated (~0.4% per element), which is
 // what llama.cpp computes for this model. Every format is read as unsigned codes with a
-// min: Q4_1 stores m; Q4_0 is q - 8, so m = -8d; Q8_0's signed codes are read as
-// q + 128 (the top bit flipped), so m = -128d.
+// min: Q4_1 stores m; Q4_0 is q - 8, so m = -8d; Q5_0 is q - 16 (codes 0..31), so
+// m = -16d; Q8_0's signed codes are read as q + 128 (the top bit flipped), so m = -128d.
 //
 // Weight rows are in the "tiled" layout (kernels/quant.py QuantizedWeight.tiled): rows in
 // tiles of 16 (the last one zero-padded), and within a tile, block by block, 4-byte lane i
@@ -14,8 +14,11 @@
 //   Q4_0/Q4_1: 4 vectors per block; byte 4i + k of vector s
 //     = q[i][8s + k] | q[i][8s + 4 + k] << 4 (its low nibbles give codes 8s.., high 8s + 4..)
 //   Q8_0: 8 vectors per block; byte 4i + k of vector t = q[i][4t + k]
+//   Q5_0: the low 4 bits of the codes as Q4_0's 4 vectors, then the high-bit plane: 8
+//     64-bit words, bit 4i + k of word t = bit 4 of q[i][4t + k], so word t is the 5th bit
+//     of the 64 bytes of the t-th unpacked code vector (one masked byte move and an or)
 // then the tile's scales: [nb][16] fp16 d, and (Q4_1) [nb][16] fp16 m. A tile is as many
-// bytes as 16 rows of the per-row layout.
+// bytes as 16 rows of the per-row layout (Q5_0: 22 per 32 weights, as in the file).
 //
 // One integer dot-product instruction (VNNI vpdpbusd) multiplies 4 codes of each of the 16
 // rows by the same 4 activation bytes (broadcast), so 8 of them leave a block's whole dot
@@ -54,10 +57,10 @@ struct QuantizedRows {
   std::vector<float> dxs;  // [n][nb]
 };
 
-// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0), codes and scales; a tile
-// is 16 of them.
+// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0), codes and scales;
+// a tile is 16 of them.
 inline int64_t row_bytes_of(int64_t format, int64_t nb) {
-  return nb * (format == 2 ? 34 : format == 1 ? 20 : 18);
+  return nb * (format == 3 ? 22 : format == 2 ? 34 : format == 1 ? 20 : 18);
 }
 
 void quantize_block(const float* x, int8_t* q, float* dx, float* dxs) {
@@ -97,6 +100,10 @@ inline I16 high_nibbles(I16 a) {
 }
 inline I16 flip_sign(I16 a) { return {_mm512_xor_si512(a.v, _mm512_set1_epi8(-128))}; }
 inline v16f to_float(I16 a) { return (v16f)_mm512_cvtepi32_ps(a.v); }
+// a | 16 in the bytes whose bit of `bits` is set (Q5_0's 5th bit).
+inline I16 with_high(I16 a, uint64_t bits) {
+  return {_mm512_or_si512(a.v, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16)))};
+}
 // acc + per lane the sum of 4 products u8(u) * s8(x4's bytes); `wide`: u may exceed 127.
 inline I16 dot4(I16 acc, I16 u, int32_t x4, bool wide) {
   const __m512i x = _mm512_set1_epi32(x4);
@@ -133,6 +140,20 @@ inline I16 high_nibbles(I16 a) {
 inline I16 flip_sign(I16 a) {
   const __m256i s = _mm256_set1_epi8(-128);
   return {_mm256_xor_si256(a.lo, s), _mm256_xor_si256(a.hi, s)};
+}
+// 16 in byte j of 32 where bit j of `bits` is set, else 0.
+inline __m256i high_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                       3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+inline I16 with_high(I16 a, uint64_t bits) {
+  return {_mm256_or_si256(a.lo, high_bytes(static_cast<uint32_t>(bits))),
+          _mm256_or_si256(a.hi, high_bytes(static_cast<uint32_t>(bits >> 32)))};
 }
 inline v16f to_float(I16 a) {
   __m256 halves[2] = {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)};
@@ -184,6 +205,17 @@ struct Q4 {  // Q4_0 and Q4_1: nibbles, 4 vectors per block
   }
 };
 
+struct Q5 {  // Q5_0: Q4_0's nibble vectors, then 8 words of the 5th bits
+  static constexpr int64_t kBlockBytes = 20;
+  static constexpr bool kWide = false;  // codes <= 31: 31 * 127 * 2 fits maddubs' int16
+  static inline void unpack(const uint8_t* p, I16 (&u)[8]) {
+    Q4::unpack(p, u);
+    uint64_t bits[8];
+    std::memcpy(bits, p + 256, sizeof bits);
+    for (int t = 0; t < 8; ++t) u[t] = with_high(u[t], bits[t]);
+  }
+};
+
 struct Q8 {  // Q8_0: signed bytes, 8 vectors per block, read as q + 128
   static constexpr int64_t kBlockBytes = 32;
   static constexpr bool kWide = true;
@@ -200,7 +232,8 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
               bool prefetch) {
   const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
   const uint8_t* mh = dh + nb * kTile * 2;
-  const float min_per_d = format == 0 ? -8.0f : -128.0f;  // Q4_0, Q8_0 (Q4_1 stores m)
+  // Q4_0, Q5_0, Q8_0 (Q4_1 stores m)
+  const float min_per_d = format == 0 ? -8.0f : format == 3 ? -16.0f : -128.0f;
   const int64_t k = nb * 32;
   v16f acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = splat(0.0f);
@@ -273,7 +306,12 @@ inline int code_at(const uint8_t* tile, int64_t i, int64_t b, int j) {
   const uint8_t* block = tile + b * kTile * C::kBlockBytes;
   if constexpr (C::kWide) return static_cast<int8_t>(block[64 * t + 4 * i + k]);
   const uint8_t byte = block[64 * (t / 2) + 4 * i + k];  // vector s = t / 2, nibble t % 2
-  return t % 2 ? byte >> 4 : byte & 15;
+  const int low = t % 2 ? byte >> 4 : byte & 15;
+  if constexpr (C::kBlockBytes == 20) {  // Q5_0: bit 4i + k of word t of the plane
+    const int bit = 4 * static_cast<int>(i) + k;
+    return low | ((block[256 + 8 * t + bit / 8] >> (bit % 8)) & 1) << 4;
+  }
+  return low;
 }
 
 template <class C>
@@ -291,9 +329,11 @@ void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t
       const float mn = format == 1 ? half_to_float(dh + 2 * (nb * kTile + b * kTile + i)) : 0.0f;
       for (int j = 0; j < 32; ++j) {
         const int q = code_at<C>(tile, i, b, j);
-        // As gguf computes them: d * q (+ m), Q4_0 as d * (q - 8); all exact in fp32.
-        out[c * k + b * 32 + j] = format == 0 ? d * static_cast<float>(q - 8)
-                                              : d * static_cast<float>(q) + mn;
+        // As gguf computes them: d * q (+ m), Q4_0 as d * (q - 8), Q5_0 as d * (q - 16);
+        // all exact in fp32.
+        out[c * k + b * 32 + j] = format == 0   ? d * static_cast<float>(q - 8)
+                                  : format == 3 ? d * static_cast<float>(q - 16)
+                                                : d * static_cast<float>(q) + mn;
       }
     }
   }
@@ -302,13 +342,14 @@ void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t
 }  // namespace
 
 // out[n, m] = q8(x[n, k]) @ W[m, k]^T (+ bias[m]); W in the tiled layout of `format`
-// (0 Q4_0, 1 Q4_1, 2 Q8_0; ceil(m / 16) tiles); k % 32 == 0.
+// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0; ceil(m / 16) tiles); k % 32 == 0.
 HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k,
                                     const uint8_t* w, int64_t m, float* out, const float* bias) {
   QuantizedRows xr;
   quantize_rows(x, n, k, xr);
   const int64_t row_bytes = row_bytes_of(format, k / 32);
   if (format == 2) return linear<Q8>(format, xr, n, k, w, m, out, bias, row_bytes);
+  if (format == 3) return linear<Q5>(format, xr, n, k, w, m, out, bias, row_bytes);
   linear<Q4>(format, xr, n, k, w, m, out, bias, row_bytes);
 }
 
@@ -316,5 +357,6 @@ HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, i
 HR_EXPORT void hr_dequantize_tiled(int64_t format, const uint8_t* w, int64_t k,
                                    const int64_t* rows, int64_t count, float* out) {
   if (format == 2) return dequantize_tiled<Q8>(format, w, k, rows, count, out);
+  if (format == 3) return dequantize_tiled<Q5>(format, w, k, rows, count, out);
   dequantize_tiled<Q4>(format, w, k, rows, count, out);
 }
