@@ -195,6 +195,33 @@ def test_int8_mode_keeps_q5_0_exact_beside_other_formats(tmp_path, monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_int8_mode_keeps_q6_k_in_its_blocks(tmp_path, monkeypatch):
+    """The q6_k mix (every matrix Q6_K): the int8 kernel reads Q6_K in its tiled layout,
+    fused q|k|v and gate|up included (the file's 210 bytes per 256 weights, the same
+    weights); the fused call gives the per-op bits."""
+    path = _write(tmp_path / "q6k.gguf", MIXES["q6_k"], monkeypatch)
+    loaded = load_model(str(path), progress=False, quantized=True)
+    exact = {name: w.dequantize() for name, w in loaded.weights.items() if "_proj" in name}
+    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+    assert model.fused_layers
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        for proj, names in ((layer.qkv, ["self_attn.q_proj", "self_attn.k_proj",
+                             "self_attn.v_proj"]), (layer.down, ["mlp.down_proj"])):  # fmt: skip
+            w = proj.quantized
+            assert w.format.name == "q6_k" and w.tiled_layout
+            expected = torch.cat([exact[prefix + n + ".weight"] for n in names])
+            assert torch.equal(w.dequantize(), expected)
+            assert w.nbytes == -(-w.rows // 16) * 16 * w.cols // 256 * 210
+    meta, positions, blocks = _step([5, 1], [5, 30])
+    token_ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    outs = []
+    for fused in (False, True):
+        model.fused_layers = fused
+        outs.append(model.forward(token_ids, positions, _caches(model, blocks, seed=1), meta))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_int8_mode_requantizes_iq4_to_q8_0(tmp_path, monkeypatch):
     path = _write(tmp_path / "iq4.gguf", MIXES["iq4"], monkeypatch)
     loaded = load_model(str(path), progress=False, quantized=True)
