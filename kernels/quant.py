@@ -7,12 +7,14 @@ the top of kernels/csrc/cpu/quant_linear.cpp); nothing is requantized, so every 
 dequantizes to exactly the fp32 value of ``gguf.quants.dequantize``. Q5_0, Q5_1 and the
 K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) and IQ4_NL / IQ4_XS (4-bit indices into
 a fixed table of 16 values; IQ4_XS in super-blocks of 256) keep the file's bytes unchanged
-(``file_order``): the exact kernel reads their blocks in place; they have no tiled layout.
+(``file_order``): the exact kernel reads their blocks in place; of these only Q5_0 and
+Q6_K have a tiled layout (``INT8_FILE_ORDER``), the others are converted by ``for_int8``.
 
 The int8 kernel reads a second arrangement of the same bytes, ``tiled()``: rows in tiles
 of 16, each block's codes interleaved 4 at a time across the tile's rows (spelled out in
 quant_linear_int8.cpp), so one integer dot product per 64 bytes advances 16 rows' sums in
-their own lanes; a tile's scales follow its codes.
+their own lanes; a tile's scales follow its codes (Q5_0's 5th bits and Q6_K's top 2 bits
+follow each block's nibbles, as planes of their own).
 
 ``dequantize`` here is the torch reference of both layouts (the kernels' test oracle).
 """
