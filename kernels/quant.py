@@ -104,19 +104,21 @@ class QuantizedWeight:
 
     @staticmethod
     def stack(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
-        """Rows of several per-row weights of one width in different formats (the fused
-        q|k|v of a Q4_K_M file, where v is Q6_K on some layers): the exact kernel computes
-        each part in its own format into its columns of the output. The parts' tensors are
+        """Rows of several weights of one width in different formats (the fused q|k|v of a
+        Q4_K_M file, where v is Q6_K or Q8_0 on some layers): the kernel computes each part
+        in its own format into its columns of the output; all per-row (the exact kernel)
+        or all tiled (the int8 kernel). The parts' tensors are
         held here, their addresses in ``data`` (int64: count, then format, address, rows)."""
         first = parts[0]
-        if any(p.cols != first.cols or p.tiled_layout or p.parts for p in parts):
-            raise ValueError("only per-row weights of one width can be stacked")
+        tiled = first.tiled_layout  # all per-row (the exact kernel) or all tiled (int8)
+        if any(p.cols != first.cols or p.tiled_layout != tiled or p.parts for p in parts):
+            raise ValueError("only weights of one width and one layout can be stacked")
         table = [len(parts)]
         for p in parts:
             table += [p.format.code, p.data.data_ptr(), p.rows]
         data = torch.tensor(table, dtype=torch.int64).view(torch.uint8)
         rows = sum(p.rows for p in parts)
-        return QuantizedWeight(STACKED, data, rows, first.cols, parts=tuple(parts))
+        return QuantizedWeight(STACKED, data, rows, first.cols, tiled, tuple(parts))
 
     @classmethod
     def from_gguf(cls, fmt: str, blocks: torch.Tensor, cols: int) -> QuantizedWeight:
@@ -166,7 +168,7 @@ class QuantizedWeight:
         (activations in 8 bits, ~0.4% per element); the exact kernel keeps the file's
         weights."""
         f, rows = self.format, self.rows
-        if not f.file_order or f.name in INT8_FILE_ORDER:
+        if not f.file_order or f.name in INT8_FILE_ORDER or self.tiled_layout:
             return self
         if self.parts:
             raise ValueError("for_int8: convert the parts, then stack or fuse them")

@@ -154,9 +154,11 @@ def test_int8_mode_converts_them_to_its_formats(kquant_file):
     assert model.fused_layers
     layer = model.layers[0]
     formats = [p.quantized.format.name for p in (layer.qkv, layer.o_proj, layer.gate_up)]
-    # q|k|v: Q4_K beside Q6_K, all Q8_0; o Q4_K -> Q4_1; gate|up Q5_K -> Q8_0; down Q5_0
-    # kept (the int8 kernel's tiled Q5_0: the file's 22 bytes per 32 weights)
-    assert formats == ["q8_0", "q4_1", "q8_0"] and layer.down.quantized.format.name == "q5_0"
+    # q|k|v: Q4_K (-> Q4_1) beside Q6_K, a stack of the two tiled; o Q4_K -> Q4_1; gate|up
+    # Q5_K -> Q8_0; down Q5_0 kept (the int8 kernel's tiled Q5_0: the file's 22 bytes per
+    # 32 weights)
+    assert formats == ["stacked", "q4_1", "q8_0"] and layer.down.quantized.format.name == "q5_0"
+    assert [p.format.name for p in layer.qkv.quantized.parts] == ["q4_1", "q6_k", "q6_k"]
     assert layer.down.quantized.tiled_layout and layer.down.quantized.nbytes == down.nbytes
     assert torch.equal(layer.down.quantized.dequantize(), down.dequantize())
     meta, positions, blocks = _step([5, 1], [5, 30])
@@ -169,9 +171,9 @@ def test_int8_mode_converts_them_to_its_formats(kquant_file):
 
 
 def test_int8_mode_keeps_q5_0_exact_beside_other_formats(tmp_path, monkeypatch):
-    """The q5_x mix: q Q5_1 over k, v Q5_0 (one fused q|k|v) and down Q5_0. The int8 kernel
-    runs one format per projection, so q|k|v becomes Q8_0, its Q5_0 rows converted exactly
-    (codes q - 16, the same d); down stays Q5_0. The fused call gives the per-op bits."""
+    """The q5_x mix: q Q5_1 over k, v Q5_0 (one fused q|k|v) and down Q5_0. q|k|v is a
+    stack of q requantized to Q8_0 and k|v in Q5_0, both tiled: the Q5_0 rows are the
+    file's weights; down stays Q5_0. The fused call gives the per-op bits."""
     path = _write(tmp_path / "q5x.gguf", MIXES["q5_x"], monkeypatch)
     loaded = load_model(str(path), progress=False, quantized=True)
     exact = {name: w.dequantize() for name, w in loaded.weights.items() if "_proj" in name}
@@ -181,7 +183,8 @@ def test_int8_mode_keeps_q5_0_exact_beside_other_formats(tmp_path, monkeypatch):
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
         qkv = layer.qkv.quantized
-        assert qkv.format.name == "q8_0" and layer.down.quantized.format.name == "q5_0"
+        assert qkv.format.name == "stacked" and layer.down.quantized.format.name == "q5_0"
+        assert [p.format.name for p in qkv.parts] == ["q8_0", "q5_0", "q5_0"]
         k, v = exact[prefix + "self_attn.k_proj.weight"], exact[prefix + "self_attn.v_proj.weight"]
         assert torch.equal(qkv.dequantize()[q_rows:], torch.cat([k, v]))
         down = exact[prefix + "mlp.down_proj.weight"]

@@ -172,6 +172,32 @@ def test_stacked_weights_of_different_formats():
         stacked.tiled()
 
 
+def test_stacked_tiled_weights_for_the_int8_kernel():
+    """q|k|v whose parts differ in format (Q5_0 q and k beside a Q8_0 or Q6_K v), each in
+    its tiled layout: the int8 kernel computes each part into its own columns, the same
+    bits as each part alone (its tiles padded apart, the bias added per part)."""
+    parts = [
+        QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, 512, seed=rows), 512)
+        for fmt, rows in (("q5_0", 13), ("q6_k", 6), ("q5_0", 20))
+    ]
+    parts.insert(2, QuantizedWeight.from_gguf("q8_0", _q8_0_blocks(3, 512), 512))
+    tiled = [p.for_int8().tiled() for p in parts]
+    stacked = QuantizedWeight.stack(tiled)
+    assert stacked.tiled_layout and stacked.for_int8().tiled() is stacked
+    assert stacked.shape == (42, 512) and stacked.nbytes == sum(p.nbytes for p in tiled)
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    bias = torch.randn(42)
+    for n in (1, 3, 9, 70):
+        x = torch.randn(n, 512)
+        alone, r = [], 0
+        for p in tiled:
+            alone.append(cpu.quant_linear(x, p, bias[r : r + p.rows].contiguous(), int8=True))
+            r += p.rows
+        assert torch.equal(cpu.quant_linear(x, stacked, bias, int8=True), torch.cat(alone, 1))
+    with pytest.raises(ValueError, match="one layout"):
+        QuantizedWeight.stack([parts[0], tiled[1]])
+
+
 def _q8_0_blocks(rows: int, cols: int) -> torch.Tensor:
     array = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
     return torch.from_numpy(gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0))

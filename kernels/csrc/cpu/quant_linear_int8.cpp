@@ -356,19 +356,21 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
 
 template <class C, int NR>
 void tile_rows(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRows& xr,
-               int64_t x0, int64_t x1, float* out, int64_t m, int64_t r0, const float* bias) {
+               int64_t x0, int64_t x1, float* out, int64_t ldo, int64_t m, int64_t r0,
+               const float* bias) {
   const int64_t valid = std::min(kTile, m - r0);
   int64_t j = x0;
   for (; j + NR <= x1; j += NR)
-    tile_dot<C, NR>(tile, nb, format, xr, j, out, m, r0, valid, bias, j == x0);
+    tile_dot<C, NR>(tile, nb, format, xr, j, out, ldo, r0, valid, bias, j == x0);
   if constexpr (NR > 1) {
-    if (j < x1) tile_rows<C, NR / 2>(tile, nb, format, xr, j, x1, out, m, r0, bias);
+    if (j < x1) tile_rows<C, NR / 2>(tile, nb, format, xr, j, x1, out, ldo, m, r0, bias);
   }
 }
 
+// ldo: the row stride of out (m, or wider when W is one part of a stacked weight).
 template <class C>
 void linear(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const uint8_t* w,
-            int64_t m, float* out, const float* bias, int64_t row_bytes) {
+            int64_t m, float* out, int64_t ldo, const float* bias, int64_t row_bytes) {
   const int64_t nb = k / 32, tiles = (m + kTile - 1) / kTile;
 #pragma omp parallel if (n * k * m >= kParallelWork)
   {
@@ -382,7 +384,7 @@ void linear(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const
     for (int64_t x0 = 0; x0 < n; x0 += kXTile) {
       const int64_t x1 = std::min(n, x0 + kXTile);
       for (int64_t t = t0; t < t1; ++t)
-        tile_rows<C, kRows>(w + t * kTile * row_bytes, nb, format, xr, x0, x1, out, m,
+        tile_rows<C, kRows>(w + t * kTile * row_bytes, nb, format, xr, x0, x1, out, ldo, m,
                             t * kTile, bias);
     }
   }
@@ -453,20 +455,36 @@ void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t
   }
 }
 
+void linear_of(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const uint8_t* w,
+               int64_t m, float* out, int64_t ldo, const float* bias) {
+  const int64_t rb = row_bytes_of(format, k / 32);
+  if (format == 2) return linear<Q8>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  if (format == 3) return linear<Q5>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  if (format == 7) return linear<Q6K>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  linear<Q4>(format, xr, n, k, w, m, out, ldo, bias, rb);
+}
+
 }  // namespace
 
 // out[n, m] = q8(x[n, k]) @ W[m, k]^T (+ bias[m]); W in the tiled layout of `format`
-// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 7 Q6_K; ceil(m / 16) tiles); k % 32 == 0 (Q6_K:
-// k % 256 == 0).
+// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 7 Q6_K; ceil(m / 16) tiles), or (8) a table of tiled
+// parts; k % 32 == 0 (Q6_K: k % 256 == 0).
 HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k,
                                     const uint8_t* w, int64_t m, float* out, const float* bias) {
   QuantizedRows xr;
   quantize_rows(x, n, k, xr);
-  const int64_t row_bytes = row_bytes_of(format, k / 32);
-  if (format == 2) return linear<Q8>(format, xr, n, k, w, m, out, bias, row_bytes);
-  if (format == 3) return linear<Q5>(format, xr, n, k, w, m, out, bias, row_bytes);
-  if (format == 7) return linear<Q6K>(format, xr, n, k, w, m, out, bias, row_bytes);
-  linear<Q4>(format, xr, n, k, w, m, out, bias, row_bytes);
+  if (format != 8) return linear_of(format, xr, n, k, w, m, out, m, bias);
+  // A stack of tiled weights of different formats (fused q|k|v of a Q4_K_M file: Q8_0 v
+  // rows beside Q5_0 q and k): w is int64 [parts, then per part format, weight, rows], as
+  // hr_quant_linear's; each part fills its own columns of out (the same sums as alone).
+  const int64_t* table = reinterpret_cast<const int64_t*>(w);
+  int64_t r = 0;
+  for (int64_t i = 0; i < table[0]; ++i) {
+    const int64_t* part = table + 1 + 3 * i;
+    const auto* weight = reinterpret_cast<const uint8_t*>(static_cast<intptr_t>(part[1]));
+    linear_of(part[0], xr, n, k, weight, part[2], out + r, m, bias ? bias + r : nullptr);
+    r += part[2];
+  }
 }
 
 // out[i, :] = W[rows[i], :] in fp32 for W in the tiled layout (rows == nullptr: all).
