@@ -177,7 +177,8 @@ class QuantizedWeight:
         return _requantize_q8_0(self.dequantize())
 
     def as_q8_0(self) -> QuantizedWeight:
-        """This weight as Q8_0, for stacking with Q8_0 parts in int8 mode: Q5_0 exactly
+        """This weight as Q8_0 (what int8 mode did with Q5_0 and Q6_K before the int8
+        kernel read them; bench/kquant_pass.py times it): Q5_0 exactly
         (codes q - 16, the same d), other formats requantized (as for_int8 does: at most
         d / 2 per weight); a Q8_0 weight as it is."""
         f, rows = self.format, self.rows
