@@ -3,7 +3,10 @@
 A decode step reads every weight once; this times exactly that part of it (the projections
 of all layers in a step's order, then the lm_head) with one input row, for each file and
 --weights mode (``quantized``: the exact kernel on the file's blocks; ``quantized-int8``:
-the int8 kernel on kernels/quant.py for_int8's formats). Reported: ms per pass, the
+the int8 kernel on kernels/quant.py for_int8's formats; ``quantized-int8, Q5_0/Q6_K as
+Q8_0``: the same with every Q5_0 matrix widened to Q8_0 (exactly) and every Q6_K one
+requantized to Q8_0 at load, as for_int8 did before the int8 kernel read them, for files
+that have them). Reported: ms per pass, the
 passes per second that bounds tokens/s, and the GB/s of weight bytes read, beside a plain
 read of a large tensor (what this machine streams, same threads). The cases alternate
 within each repetition (A/B interleaved): the machine is shared, so a busy spell hits all
@@ -32,12 +35,20 @@ from bench import common
 from compute.loaders import load_model
 from compute.model import fuse
 from kernels.cpu import launch as cpu
+from kernels.quant import FORMATS
+
+WIDENED = "quantized-int8, Q5_0/Q6_K as Q8_0"
 
 
-def matrices(path: str, int8: bool) -> list:
+def matrices(path: str, int8: bool, widen: bool = False) -> list:
     """Every projection of the file's model in a decode step's order, as the engine holds
-    them (fused q|k|v and gate|up), then the lm_head."""
+    them (fused q|k|v and gate|up), then the lm_head. ``widen``: Q5_0 matrices as Q8_0
+    (exactly: codes q - 16, the same d), Q6_K ones requantized to Q8_0."""
     q = load_model(path, quantized=True, progress=False).weights
+    if widen:
+        old = (FORMATS["q5_0"], FORMATS["q6_k"])
+        q = {k: w.as_q8_0() if getattr(w, "format", None) in old else w
+             for k, w in q.items()}  # fmt: skip
     layers = 1 + max(int(k.split(".")[2]) for k in q if k.startswith("model.layers."))
     out = []
     for i in range(layers):
@@ -106,10 +117,15 @@ def main(argv: list[str] | None = None) -> None:
         args.files = [*made, str(default_model_path())]
     cases = {}
     for path in args.files:
-        for mode in ("quantized", "quantized-int8"):
-            ws = matrices(path, mode.endswith("int8"))
+        for mode in ("quantized", "quantized-int8", WIDENED):
+            int8 = mode != "quantized"
+            ws = matrices(path, int8, widen=mode == WIDENED)
+            if mode == WIDENED and sum(w.nbytes for w in ws) == sum(
+                w.nbytes for w in cases[(Path(path).name, "quantized-int8")][0]
+            ):
+                continue  # no Q5_0 or Q6_K in this file
             xs = {w.cols: torch.randn(1, w.cols) for w in ws}
-            cases[(Path(path).name, mode)] = (ws, xs, mode.endswith("int8"))
+            cases[(Path(path).name, mode)] = (ws, xs, int8)
     samples: dict = {key: [] for key in cases}
     load = [common.load_average()]
     for _ in range(args.reps):  # A/B interleaved
@@ -129,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                      "ms": 1e3 * seconds, "passes_per_s": 1 / seconds,
                      "gb_s": nbytes / seconds / 1e9,
                      "ms_min": 1e3 * min(samples[(name, mode)])})  # fmt: skip
-        print(f"{name:40s} {mode:15s} {nbytes / 1e6:6.1f} MB  {rows[-1]['ms']:6.2f} ms  "
+        print(f"{name:40s} {mode:33s} {nbytes / 1e6:6.1f} MB  {rows[-1]['ms']:6.2f} ms  "
               f"{rows[-1]['passes_per_s']:6.1f}/s  {rows[-1]['gb_s']:5.1f} GB/s")  # fmt: skip
     stream = stream_gb_s(args.threads)
     print(f"plain read of 512 MiB: {stream:.1f} GB/s")

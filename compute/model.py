@@ -65,19 +65,18 @@ def fuse(
     parts: Sequence[torch.Tensor | QuantizedWeight], int8: bool = False
 ) -> torch.Tensor | QuantizedWeight:
     """Stack the rows of several weights (q|k|v, gate|up). Quantized parts stay quantized
-    when they share a block format, or (exact kernel) as a stack of their formats; else
-    they are dequantized (exactly) to fp32."""
+    when they share a block format, or as a stack of their formats (int8: each part in
+    its tiled layout); else they are dequantized (exactly) to fp32."""
     if int8 and any(isinstance(p, QuantizedWeight) and p.format.file_order for p in parts):
-        # The int8 kernel's formats (kernels/quant.py for_int8), one for all the parts.
+        # The int8 kernel's formats (kernels/quant.py for_int8).
         parts = [p.for_int8() if isinstance(p, QuantizedWeight) else p for p in parts]
-        if len({p.format.name for p in parts if isinstance(p, QuantizedWeight)}) > 1:
-            parts = [p.as_q8_0() if isinstance(p, QuantizedWeight) else p for p in parts]
     if all(isinstance(p, QuantizedWeight) for p in parts):
         try:
             return QuantizedWeight.cat(parts)  # type: ignore[arg-type]
         except ValueError:
-            if not int8:
-                return QuantizedWeight.stack(parts)  # type: ignore[arg-type]
+            # Formats that differ: a stack, each part in its own (int8: in its tiled layout).
+            tiled = [p.tiled() for p in parts] if int8 else parts
+            return QuantizedWeight.stack(tiled)  # type: ignore[arg-type]
     return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
 
 

@@ -7,12 +7,14 @@ the top of kernels/csrc/cpu/quant_linear.cpp); nothing is requantized, so every 
 dequantizes to exactly the fp32 value of ``gguf.quants.dequantize``. Q5_0, Q5_1 and the
 K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) and IQ4_NL / IQ4_XS (4-bit indices into
 a fixed table of 16 values; IQ4_XS in super-blocks of 256) keep the file's bytes unchanged
-(``file_order``): the exact kernel reads their blocks in place; they have no tiled layout.
+(``file_order``): the exact kernel reads their blocks in place; of these only Q5_0 and
+Q6_K have a tiled layout (``INT8_FILE_ORDER``), the others are converted by ``for_int8``.
 
 The int8 kernel reads a second arrangement of the same bytes, ``tiled()``: rows in tiles
 of 16, each block's codes interleaved 4 at a time across the tile's rows (spelled out in
 quant_linear_int8.cpp), so one integer dot product per 64 bytes advances 16 rows' sums in
-their own lanes; a tile's scales follow its codes.
+their own lanes; a tile's scales follow its codes (Q5_0's 5th bits and Q6_K's top 2 bits
+follow each block's nibbles, as planes of their own).
 
 ``dequantize`` here is the torch reference of both layouts (the kernels' test oracle).
 """
@@ -56,6 +58,15 @@ FORMATS = {
 # Weights of different formats stacked row-wise (QuantizedWeight.stack): data is a table of
 # the parts, each computed in its own format (quant_linear.cpp hr_quant_linear).
 STACKED = BlockFormat("stacked", 8, 0, 0, 0, file_order=True)
+# Formats kept in file order (for the exact kernel) that the int8 kernel also reads, in its
+# tiled layout (quant_linear_int8.cpp): Q5_0 (the nibbles as Q4_0's, then a plane of 5th
+# bits) and Q6_K (the nibbles, then 2 vectors of top 2 bits; int8 sub-block scales, fp16 d).
+INT8_FILE_ORDER = frozenset({"q5_0", "q6_k"})
+
+
+def _tiled_bytes(f: BlockFormat) -> tuple[int, int]:
+    """Code bytes per block and row, and fp16 fields per block, in the tiled layout."""
+    return {"q5_0": (20, 1), "q6_k": (24, 0)}.get(f.name, (f.code_bytes, f.scale_fields))
 
 
 @dataclass(frozen=True)
@@ -93,19 +104,21 @@ class QuantizedWeight:
 
     @staticmethod
     def stack(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
-        """Rows of several per-row weights of one width in different formats (the fused
-        q|k|v of a Q4_K_M file, where v is Q6_K on some layers): the exact kernel computes
-        each part in its own format into its columns of the output. The parts' tensors are
+        """Rows of several weights of one width in different formats (the fused q|k|v of a
+        Q4_K_M file, where v is Q6_K or Q8_0 on some layers): the kernel computes each part
+        in its own format into its columns of the output; all per-row (the exact kernel)
+        or all tiled (the int8 kernel). The parts' tensors are
         held here, their addresses in ``data`` (int64: count, then format, address, rows)."""
         first = parts[0]
-        if any(p.cols != first.cols or p.tiled_layout or p.parts for p in parts):
-            raise ValueError("only per-row weights of one width can be stacked")
+        tiled = first.tiled_layout  # all per-row (the exact kernel) or all tiled (int8)
+        if any(p.cols != first.cols or p.tiled_layout != tiled or p.parts for p in parts):
+            raise ValueError("only weights of one width and one layout can be stacked")
         table = [len(parts)]
         for p in parts:
             table += [p.format.code, p.data.data_ptr(), p.rows]
         data = torch.tensor(table, dtype=torch.int64).view(torch.uint8)
         rows = sum(p.rows for p in parts)
-        return QuantizedWeight(STACKED, data, rows, first.cols, parts=tuple(parts))
+        return QuantizedWeight(STACKED, data, rows, first.cols, tiled, tuple(parts))
 
     @classmethod
     def from_gguf(cls, fmt: str, blocks: torch.Tensor, cols: int) -> QuantizedWeight:
@@ -145,57 +158,75 @@ class QuantizedWeight:
         return QuantizedWeight(first.format, data, data.shape[0], first.cols)
 
     def for_int8(self) -> QuantizedWeight:
-        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0), for the formats
-        kept in file order: Q5_0 becomes Q8_0 exactly (codes q - 16, the same d); Q4_K
-        becomes Q4_1 (the same nibbles; each block's d * sc and -dmin * m rounded to fp16,
-        a relative change below 2^-11 of the block's scale); Q5_1, Q5_K, Q6_K, IQ4_NL and
-        IQ4_XS are requantized to Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes rounded: an
-        error of at most d / 2 per weight). The int8 numerics approximate anyway (activations
-        in 8 bits, ~0.4% per element); the exact kernel keeps the file's weights."""
+        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0, Q5_0, Q6_K), for
+        the formats kept in file order: Q5_0 and Q6_K stay as they are (the kernel reads
+        their codes in its tiled layout: the file's 22 bytes per 32 weights, 210 per 256);
+        Q4_K becomes Q4_1 (the same nibbles; each block's d * sc and -dmin * m rounded to
+        fp16, a relative change below 2^-11 of the block's scale); Q5_1, Q5_K, IQ4_NL and
+        IQ4_XS are requantized to Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes
+        rounded: an error of at most d / 2 per weight). The int8 numerics approximate anyway
+        (activations in 8 bits, ~0.4% per element); the exact kernel keeps the file's
+        weights."""
         f, rows = self.format, self.rows
-        if not f.file_order:
+        if not f.file_order or f.name in INT8_FILE_ORDER or self.tiled_layout:
             return self
         if self.parts:
             raise ValueError("for_int8: convert the parts, then stack or fuse them")
-        if f.name == "q5_0":
-            d = self.data.reshape(rows, -1, 22)[..., :2].contiguous().view(torch.float16)
-            return _q8_0(rows, self.cols, d, _q5_codes(self.data, rows, 2) - 16)
         if f.name == "q4_k":
             return _q4_k_as_q4_1(self.data, rows, self.cols)
         return _requantize_q8_0(self.dequantize())
 
     def as_q8_0(self) -> QuantizedWeight:
-        """This weight requantized to Q8_0 (as for_int8 does: at most d / 2 per weight), for
-        stacking with Q8_0 parts in int8 mode; a Q8_0 weight as it is."""
-        return self if self.format.name == "q8_0" else _requantize_q8_0(self.dequantize())
+        """This weight as Q8_0 (what int8 mode did with Q5_0 and Q6_K before the int8
+        kernel read them; bench/kquant_pass.py times it): Q5_0 exactly
+        (codes q - 16, the same d), other formats requantized (as for_int8 does: at most
+        d / 2 per weight); a Q8_0 weight as it is."""
+        f, rows = self.format, self.rows
+        if f.name == "q8_0":
+            return self
+        if f.name == "q5_0" and not self.tiled_layout:
+            d = self.data.reshape(rows, -1, 22)[..., :2].contiguous().view(torch.float16)
+            return _q8_0(rows, self.cols, d, _q5_codes(self.data, rows, 2) - 16)
+        return _requantize_q8_0(self.dequantize())
 
     def tiled(self) -> QuantizedWeight:
         """The same weight in the int8 kernel's layout: rows in tiles of 16 (the last one
         zero-padded), each tile's codes block by block with 4 codes of each row per 4-byte
-        lane, then its scales block by block (spelled out in quant_linear_int8.cpp)."""
+        lane (Q5_0: their low nibbles, then the plane of 5th bits), then its scales block
+        by block (spelled out in quant_linear_int8.cpp)."""
         if self.tiled_layout:
             return self
-        if self.format.file_order:
+        if self.format.file_order and self.format.name not in INT8_FILE_ORDER:
             names = sorted({p.format.name for p in self.parts}) or [self.format.name]
             raise ValueError(
                 f"{'+'.join(names)}: no int8 kernel for this format yet"
                 " (run these weights with --weights quantized)"
             )
         f, nb, rows = self.format, self.cols // BLOCK, self.rows
+        if f.name == "q6_k":
+            return _tiled_q6_k(self)
+        code_bytes, fields = _tiled_bytes(f)
         padded = -(-rows // TILE) * TILE
         codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
         codes[:rows] = self.codes()
         codes = codes.reshape(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, b, t, i, k]
-        if f.code_bytes == 16:  # vector s: codes 8s.. in the low nibbles, 8s + 4.. in the high
-            codes = codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)
-        halves = torch.zeros(padded, nb * f.scale_fields * 2, dtype=torch.uint8)
-        halves[:rows] = self.data[:, nb * f.code_bytes :]
+        if code_bytes == 32:
+            blocks = codes.reshape(-1, nb, TILE * 32)
+        else:  # vector s: codes 8s.. in the low nibbles, 8s + 4.. in the high
+            low = codes & 15
+            blocks = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(-1, nb, TILE * 16)
+        if code_bytes == 20:  # Q5_0: word t's bit 4i + k = bit 4 of code 4t + k of row i
+            bits = (codes >> 4).reshape(-1, nb, 8, 8, 8)  # [tile, b, t, byte, bit]
+            plane = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+            blocks = torch.cat([blocks, plane.reshape(-1, nb, 64)], dim=-1)
+        halves = torch.zeros(padded, fields, nb, 2, dtype=torch.uint8)
+        halves[:rows] = self.scales().contiguous().view(torch.uint8).reshape(rows, fields, nb, 2)
         # [tile, i, field, b, 2 bytes] -> [tile, field, b, i, 2 bytes]
-        halves = halves.reshape(-1, TILE, f.scale_fields, nb, 2).permute(0, 2, 3, 1, 4)
+        halves = halves.reshape(-1, TILE, fields, nb, 2).permute(0, 2, 3, 1, 4)
         tiles = torch.cat(
             [
-                codes.reshape(-1, TILE * nb * f.code_bytes),
-                halves.reshape(-1, TILE * nb * 2 * f.scale_fields),
+                blocks.reshape(-1, TILE * nb * code_bytes),
+                halves.reshape(-1, TILE * nb * 2 * fields),
             ],
             dim=1,
         )
@@ -203,30 +234,67 @@ class QuantizedWeight:
         return QuantizedWeight(f, data, rows, self.cols, tiled_layout=True)
 
     def codes(self) -> torch.Tensor:
-        """The codes [rows, nb, 32] (uint8: nibbles 0..15, or int8's bytes), either layout."""
+        """The codes [rows, nb, 32] (uint8: nibbles 0..15, Q5_0's 0..31, or int8's bytes),
+        either layout."""
         f, nb = self._regrouped(), self.cols // BLOCK
+        code_bytes, _ = _tiled_bytes(f)
         if not self.tiled_layout:
+            if f.name == "q5_0":
+                return _q5_codes(self.data, self.rows, 2).to(torch.uint8)
+            if f.name == "q6_k":
+                return _q6k_fields(self.data, self.rows)[0].reshape(self.rows, nb, BLOCK)
             blocks = self.data[:, : nb * f.code_bytes].reshape(self.rows, nb, f.code_bytes)
             return torch.cat([blocks & 15, blocks >> 4], -1) if f.code_bytes == 16 else blocks
-        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, : TILE * nb * f.code_bytes]
-        vectors = 4 if f.code_bytes == 16 else 8
-        v = tiles.reshape(-1, nb, vectors, TILE, 4)  # [tile, b, vector, i, k]
-        if f.code_bytes == 16:  # [tile, b, s, i, k] -> [tile, b, t = 2s + nibble, i, k]
+        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, : TILE * nb * code_bytes]
+        blocks = tiles.reshape(-1, nb, TILE * code_bytes)
+        vectors = 8 if code_bytes == 32 else 4
+        v = blocks[:, :, : TILE * 4 * vectors].reshape(-1, nb, vectors, TILE, 4)
+        if code_bytes != 32:  # [tile, b, s, i, k] -> [tile, b, t = 2s + nibble, i, k]
             v = torch.stack([v & 15, v >> 4], dim=3).flatten(2, 3)
+        if code_bytes == 24:  # Q6_K: bits 2j.. of top-bit vector h are bits 4, 5 of 4h + j
+            top = blocks[:, :, TILE * 16 :].reshape(-1, nb, 2, 1, TILE, 4)
+            shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1, 1)
+            v = v | (((top >> shifts) & 3).reshape(-1, nb, 8, TILE, 4) << 4)
+        if code_bytes == 20:  # Q5_0: bit 4i + k of word t of the plane is bit 4 of v[t, i, k]
+            plane = blocks[:, :, TILE * 16 :].reshape(-1, nb, 8, 8, 1)
+            bits = (plane >> torch.arange(8, dtype=torch.uint8)) & 1  # [tile, b, t, byte, bit]
+            v = v | (bits.reshape(-1, nb, 8, TILE, 4) << 4)
         return v.permute(0, 3, 1, 2, 4).reshape(-1, nb, BLOCK)[: self.rows]
 
     def scales(self) -> torch.Tensor:
-        """The fp16 scales [rows, fields, nb] (d, then m for Q4_1), either layout."""
+        """The fp16 scales [rows, fields, nb] (d, then m for Q4_1), either layout (Q6_K:
+        ``q6_k_scales``)."""
         f, nb = self._regrouped(), self.cols // BLOCK
+        if f.name == "q6_k":
+            raise ValueError("q6_k: int8 sub-block scales and a d per 256, see q6_k_scales")
+        code_bytes, fields = _tiled_bytes(f)
         if not self.tiled_layout:
+            if f.name == "q5_0":
+                raw = self.data.reshape(self.rows, nb, 22)[..., :2].contiguous()
+                return raw.view(torch.float16).reshape(self.rows, 1, nb)
             raw = self.data[:, nb * f.code_bytes :].contiguous()
             return raw.view(torch.float16).reshape(self.rows, f.scale_fields, nb)
-        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * f.code_bytes :]
-        h = tiles.contiguous().view(torch.float16).reshape(-1, f.scale_fields, nb, TILE)
-        return h.permute(0, 3, 1, 2).reshape(-1, f.scale_fields, nb)[: self.rows]
+        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * code_bytes :]
+        h = tiles.contiguous().view(torch.float16).reshape(-1, fields, nb, TILE)
+        return h.permute(0, 3, 1, 2).reshape(-1, fields, nb)[: self.rows]
+
+    def q6_k_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Q6_K weight's int8 sub-block scales [rows, nsb, 16] and fp16 d [rows, nsb],
+        either layout."""
+        nsb = self.cols // 256
+        if not self.tiled_layout:
+            _, sc, d = _q6k_fields(self.data, self.rows)
+            return sc, d
+        width = TILE * self.data.shape[1]
+        tiles = self.data.reshape(-1, width)[:, TILE * nsb * 8 * 24 :]
+        sc = tiles[:, : TILE * nsb * 16].contiguous().view(torch.int8)
+        sc = sc.reshape(-1, nsb * 16, TILE).permute(0, 2, 1).reshape(-1, nsb, 16)
+        d = tiles[:, TILE * nsb * 16 :].contiguous().view(torch.float16)
+        d = d.reshape(-1, nsb, TILE).permute(0, 2, 1).reshape(-1, nsb)
+        return sc[: self.rows], d[: self.rows]
 
     def _regrouped(self) -> BlockFormat:
-        if self.format.file_order:
+        if self.format.file_order and self.format.name not in INT8_FILE_ORDER:
             raise ValueError(f"{self.format.name}: codes and scales are read in file order")
         return self.format
 
@@ -235,13 +303,20 @@ class QuantizedWeight:
         f = self.format
         if self.parts:
             return torch.cat([p.dequantize() for p in self.parts])
-        if f.file_order:
+        if f.file_order and not self.tiled_layout:
             return _DEQUANTIZE_FILE_ORDER[f.name](self.data, self.rows).reshape(self.rows, -1)
+        if f.name == "q6_k":  # as gguf: (d * sc) * (q - 32), per half-block of 16
+            sc, d = self.q6_k_scales()
+            scale = (d.float().unsqueeze(-1) * sc.float()).reshape(self.rows, -1, 1)
+            q = (self.codes().int() - 32).float().reshape(self.rows, -1, 16)
+            return (scale * q).reshape(self.rows, self.cols)
         halves = self.scales()
         d = halves[:, 0].float().unsqueeze(-1)
         q = self.codes()
         if f.code_bytes == 32:  # int8 codes
             return (q.view(torch.int8).float() * d).reshape(self.rows, self.cols)
+        if f.name == "q5_0":  # as gguf: d * (q - 16)
+            return (d * (q.int() - 16).float()).reshape(self.rows, self.cols)
         offset = halves[:, 1].float().unsqueeze(-1) if f.scale_fields == 2 else -8.0 * d
         return (q.float() * d + offset).reshape(self.rows, self.cols)
 
@@ -336,6 +411,56 @@ def _iq4xs(data: torch.Tensor, rows: int) -> torch.Tensor:
     ls = low | ((high >> (2 * j)) & 3) << 4  # [rows, nsb, 8]
     dl = (_halves(raw[..., :2]) * (ls - 32).float()).unsqueeze(-1)
     return dl * _iq4_values(b[..., 8:].reshape(rows, -1, 8, 16))
+
+
+def _q6k_fields(data: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    """Q6_K's codes [rows, nsb, 256] (uint8 0..63, in value order), int8 sub-block scales
+    [rows, nsb, 16] and fp16 d [rows, nsb], as _q6k reads them."""
+    raw = data.reshape(rows, -1, 210)
+    b = raw.int()
+    ql = b[..., :128].reshape(rows, -1, 2, 1, 64)
+    low = torch.cat([ql & 15, ql >> 4], dim=3).reshape(rows, -1, 8, 32)
+    qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).reshape(4, 1)) & 3).reshape(
+        rows, -1, 8, 32
+    )
+    codes = (low | high << 4).to(torch.uint8).reshape(rows, -1, 256)
+    sc = raw[..., 192:208].contiguous().view(torch.int8)
+    d = raw[..., 208:210].contiguous().view(torch.float16).reshape(rows, -1)
+    return codes, sc, d
+
+
+def _tiled_q6_k(w: QuantizedWeight) -> QuantizedWeight:
+    """Q6_K in the int8 kernel's tiled layout (quant_linear_int8.cpp): per tile, block by
+    block of 32 the nibbles as Q4_0's 4 vectors and 2 vectors of the top 2 bits, then the
+    sub-block scales [nb][2][16] (int8) and the super-blocks' d [nsb][16] (fp16)."""
+    rows, nb, nsb = w.rows, w.cols // BLOCK, w.cols // 256
+    padded = -(-rows // TILE) * TILE
+    codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
+    sc = torch.zeros(padded, nsb, 16, dtype=torch.int8)
+    d = torch.zeros(padded, nsb, dtype=torch.float16)
+    c, sc[:rows], d[:rows] = _q6k_fields(w.data, rows)
+    codes[:rows] = c.reshape(rows, nb, BLOCK)
+    codes = codes.reshape(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, b, t, i, k]
+    low = codes & 15
+    nibbles = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(-1, nb, TILE * 16)
+    top = (codes >> 4).reshape(-1, nb, 2, 4, TILE, 4)  # [tile, b, h, j, i, k]
+    top = (top << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1, 1)).sum(
+        3, dtype=torch.uint8
+    )
+    blocks = torch.cat([nibbles, top.reshape(-1, nb, TILE * 8)], dim=-1)
+    scales = sc.view(torch.uint8).reshape(-1, TILE, nsb * 16).permute(0, 2, 1)
+    halves = d.view(torch.uint8).reshape(-1, TILE, nsb, 2).permute(0, 2, 1, 3)
+    tiles = torch.cat(
+        [
+            blocks.reshape(-1, TILE * nb * 24),
+            scales.reshape(-1, TILE * nsb * 16),
+            halves.reshape(-1, TILE * nsb * 2),
+        ],
+        dim=1,
+    )
+    data = tiles.reshape(padded, -1).contiguous()
+    return QuantizedWeight(w.format, data, rows, w.cols, tiled_layout=True)
 
 
 def _q8_0(rows: int, cols: int, d: torch.Tensor, codes: torch.Tensor) -> QuantizedWeight:

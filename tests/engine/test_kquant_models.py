@@ -149,12 +149,73 @@ def test_int8_mode_converts_them_to_its_formats(kquant_file):
     """kernels/quant.py for_int8: the int8 kernel's formats, every projection quantized, so
     the fused decoder call runs; its bits are the per-op path's."""
     loaded = load_model(str(kquant_file), progress=False, quantized=True)
+    down = loaded.weights["model.layers.0.mlp.down_proj.weight"]
     model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
     assert model.fused_layers
     layer = model.layers[0]
     formats = [p.quantized.format.name for p in (layer.qkv, layer.o_proj, layer.gate_up)]
-    # q|k|v: Q4_K beside Q6_K, all Q8_0; o Q4_K -> Q4_1; gate|up Q5_K and down Q5_0 -> Q8_0
-    assert formats == ["q8_0", "q4_1", "q8_0"] and layer.down.quantized.format.name == "q8_0"
+    # q|k|v: Q4_K (-> Q4_1) beside Q6_K, a stack of the two tiled; o Q4_K -> Q4_1; gate|up
+    # Q5_K -> Q8_0; down Q5_0 kept (the int8 kernel's tiled Q5_0: the file's 22 bytes per
+    # 32 weights)
+    assert formats == ["stacked", "q4_1", "q8_0"] and layer.down.quantized.format.name == "q5_0"
+    assert [p.format.name for p in layer.qkv.quantized.parts] == ["q4_1", "q6_k", "q6_k"]
+    assert layer.down.quantized.tiled_layout and layer.down.quantized.nbytes == down.nbytes
+    assert torch.equal(layer.down.quantized.dequantize(), down.dequantize())
+    meta, positions, blocks = _step([5, 1], [5, 30])
+    token_ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    outs = []
+    for fused in (False, True):
+        model.fused_layers = fused
+        outs.append(model.forward(token_ids, positions, _caches(model, blocks, seed=1), meta))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_int8_mode_keeps_q5_0_exact_beside_other_formats(tmp_path, monkeypatch):
+    """The q5_x mix: q Q5_1 over k, v Q5_0 (one fused q|k|v) and down Q5_0. q|k|v is a
+    stack of q requantized to Q8_0 and k|v in Q5_0, both tiled: the Q5_0 rows are the
+    file's weights; down stays Q5_0. The fused call gives the per-op bits."""
+    path = _write(tmp_path / "q5x.gguf", MIXES["q5_x"], monkeypatch)
+    loaded = load_model(str(path), progress=False, quantized=True)
+    exact = {name: w.dequantize() for name, w in loaded.weights.items() if "_proj" in name}
+    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+    assert model.fused_layers
+    q_rows = loaded.config.num_heads * loaded.config.head_dim
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        qkv = layer.qkv.quantized
+        assert qkv.format.name == "stacked" and layer.down.quantized.format.name == "q5_0"
+        assert [p.format.name for p in qkv.parts] == ["q8_0", "q5_0", "q5_0"]
+        k, v = exact[prefix + "self_attn.k_proj.weight"], exact[prefix + "self_attn.v_proj.weight"]
+        assert torch.equal(qkv.dequantize()[q_rows:], torch.cat([k, v]))
+        down = exact[prefix + "mlp.down_proj.weight"]
+        assert torch.equal(layer.down.quantized.dequantize(), down)
+    meta, positions, blocks = _step([5, 1], [5, 30])
+    token_ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    outs = []
+    for fused in (False, True):
+        model.fused_layers = fused
+        outs.append(model.forward(token_ids, positions, _caches(model, blocks, seed=1), meta))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_int8_mode_keeps_q6_k_in_its_blocks(tmp_path, monkeypatch):
+    """The q6_k mix (every matrix Q6_K): the int8 kernel reads Q6_K in its tiled layout,
+    fused q|k|v and gate|up included (the file's 210 bytes per 256 weights, the same
+    weights); the fused call gives the per-op bits."""
+    path = _write(tmp_path / "q6k.gguf", MIXES["q6_k"], monkeypatch)
+    loaded = load_model(str(path), progress=False, quantized=True)
+    exact = {name: w.dequantize() for name, w in loaded.weights.items() if "_proj" in name}
+    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+    assert model.fused_layers
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        for proj, names in ((layer.qkv, ["self_attn.q_proj", "self_attn.k_proj",
+                             "self_attn.v_proj"]), (layer.down, ["mlp.down_proj"])):  # fmt: skip
+            w = proj.quantized
+            assert w.format.name == "q6_k" and w.tiled_layout
+            expected = torch.cat([exact[prefix + n + ".weight"] for n in names])
+            assert torch.equal(w.dequantize(), expected)
+            assert w.nbytes == -(-w.rows // 16) * 16 * w.cols // 256 * 210
     meta, positions, blocks = _step([5, 1], [5, 30])
     token_ids = torch.tensor([1, 2, 3, 4, 5, 6])
     outs = []

@@ -148,8 +148,8 @@ def test_the_same_bits_on_every_isa():
 def test_k_quants_need_whole_super_blocks_and_have_no_int8_layout():
     with pytest.raises(ValueError, match="multiple of 256"):
         QuantizedWeight.from_gguf("q4_k", random_blocks("q4_k", 2, 256)[:, :72], 128)
-    weight = QuantizedWeight.from_gguf("q6_k", random_blocks("q6_k", 2, 256), 256)
-    with pytest.raises(ValueError, match="q6_k: no int8 kernel for this format yet"):
+    weight = QuantizedWeight.from_gguf("q5_k", random_blocks("q5_k", 2, 256), 256)
+    with pytest.raises(ValueError, match="q5_k: no int8 kernel for this format yet"):
         weight.tiled()
 
 
@@ -172,6 +172,32 @@ def test_stacked_weights_of_different_formats():
         stacked.tiled()
 
 
+def test_stacked_tiled_weights_for_the_int8_kernel():
+    """q|k|v whose parts differ in format (Q5_0 q and k beside a Q8_0 or Q6_K v), each in
+    its tiled layout: the int8 kernel computes each part into its own columns, the same
+    bits as each part alone (its tiles padded apart, the bias added per part)."""
+    parts = [
+        QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, 512, seed=rows), 512)
+        for fmt, rows in (("q5_0", 13), ("q6_k", 6), ("q5_0", 20))
+    ]
+    parts.insert(2, QuantizedWeight.from_gguf("q8_0", _q8_0_blocks(3, 512), 512))
+    tiled = [p.for_int8().tiled() for p in parts]
+    stacked = QuantizedWeight.stack(tiled)
+    assert stacked.tiled_layout and stacked.for_int8().tiled() is stacked
+    assert stacked.shape == (42, 512) and stacked.nbytes == sum(p.nbytes for p in tiled)
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    bias = torch.randn(42)
+    for n in (1, 3, 9, 70):
+        x = torch.randn(n, 512)
+        alone, r = [], 0
+        for p in tiled:
+            alone.append(cpu.quant_linear(x, p, bias[r : r + p.rows].contiguous(), int8=True))
+            r += p.rows
+        assert torch.equal(cpu.quant_linear(x, stacked, bias, int8=True), torch.cat(alone, 1))
+    with pytest.raises(ValueError, match="one layout"):
+        QuantizedWeight.stack([parts[0], tiled[1]])
+
+
 def _q8_0_blocks(rows: int, cols: int) -> torch.Tensor:
     array = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
     return torch.from_numpy(gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0))
@@ -180,17 +206,19 @@ def _q8_0_blocks(rows: int, cols: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", sorted(GGUF_TYPES))
 @pytest.mark.parametrize("n", [1, 9])
 def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
-    """for_int8: Q5_0 -> Q8_0 exactly, Q4_K -> Q4_1 (scales rounded to fp16), the rest
-    requantized to Q8_0; the int8 product stays within 2% (norm) of the exact kernel's on
-    the file's weights, the bound the int8 tests of the other formats state."""
+    """for_int8: Q5_0 and Q6_K kept (the int8 kernel reads their tiled layouts), Q4_K -> Q4_1
+    (scales rounded to fp16), the rest requantized to Q8_0; the int8 product stays within
+    2% (norm) of the exact kernel's on the file's weights, the bound the int8 tests of the
+    other formats state."""
     cols = widths(fmt)[1]
     plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, cols, seed=n), cols)
     converted = plain.for_int8()
-    expected_format = {"q5_0": "q8_0", "q4_k": "q4_1"}.get(fmt, "q8_0")
-    assert converted.format.name == expected_format and not converted.format.file_order
+    expected_format = {"q5_0": "q5_0", "q6_k": "q6_k", "q4_k": "q4_1"}.get(fmt, "q8_0")
+    assert converted.format.name == expected_format
+    assert not converted.format.file_order or fmt in ("q5_0", "q6_k")
     w, w8 = plain.dequantize(), converted.dequantize()
-    if fmt == "q5_0":
-        assert torch.equal(w8, w)
+    if fmt in ("q5_0", "q6_k"):
+        assert converted is plain and converted.tiled().nbytes == 48 * plain.data.shape[1]
     else:  # a weight moves by at most half a Q8_0 step (its fp16 d: 2^-11 more at most),
         # or (Q4_K) by the fp16 rounding of its block's scale and min
         step = w.reshape(37, -1, 32).abs().amax(-1, keepdim=True) / 127
@@ -201,3 +229,110 @@ def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
     got = cpu.quant_linear(x, converted.tiled(), int8=True)
     exact = cpu.quant_linear(x, plain)
     assert ((got - exact).norm() / exact.norm()).item() < 0.02
+
+
+# Q5_0 and Q6_K in the int8 kernel's own tiled layouts (quant_linear_int8.cpp): the low
+# nibbles as Q4_0's tiles, then Q5_0's plane of 5th bits and d, or Q6_K's 2 vectors of top
+# bits, int8 sub-block scales and d; as many bytes as the file's blocks.
+NATIVE_INT8 = ["q5_0", "q6_k"]
+LAYOUT_WIDTHS = {"q5_0": [32, 64, 576], "q6_k": [256, 512, 768]}
+
+
+@pytest.mark.parametrize("fmt", NATIVE_INT8)
+@pytest.mark.parametrize("width", [0, 1, 2])
+@pytest.mark.parametrize("rows", [1, 16, 21])  # one partial tile, one whole, one and a part
+def test_native_int8_tiled_layout_holds_the_same_weights(fmt, width, rows):
+    cols = LAYOUT_WIDTHS[fmt][width]
+    f = FORMATS[fmt]
+    blocks = random_blocks(fmt, rows, cols, seed=cols + rows)
+    plain = QuantizedWeight.from_gguf(fmt, blocks, cols)
+    tiled = plain.tiled()
+    padded = -(-rows // 16) * 16
+    assert tiled.tiled_layout and tiled.data.shape == (
+        padded,
+        cols // f.block_values * f.block_bytes,
+    )
+    codes = plain.codes()
+    assert codes.max() <= (31 if fmt == "q5_0" else 63) and torch.equal(tiled.codes(), codes)
+    if fmt == "q5_0":
+        assert torch.equal(tiled.scales(), plain.scales())
+    else:
+        assert all(map(torch.equal, tiled.q6_k_scales(), plain.q6_k_scales()))
+    expected = gguf_weights(fmt, blocks, rows, cols)
+    assert torch.equal(tiled.dequantize(), expected)
+    assert torch.equal(cpu.dequantize_rows(tiled), expected)
+    picked = torch.tensor([rows - 1, 0, rows - 1], dtype=torch.int64)
+    assert torch.equal(cpu.dequantize_rows(tiled, picked), expected[picked])
+    if fmt == "q5_0":
+        assert torch.equal(plain.as_q8_0().dequantize(), expected), "Q5_0 -> Q8_0 is exact"
+    with pytest.raises(ValueError, match="tiled layout"):
+        tiled.take_rows(picked)
+
+
+@pytest.mark.parametrize("fmt", NATIVE_INT8)
+@pytest.mark.parametrize("n", [1, 3, 8, 15, 100])  # register tiles of 8 rows + the rest
+@pytest.mark.parametrize("width", [0, 1])
+@pytest.mark.parametrize("rows", [13, 37])  # a partial tile; two whole ones and a partial
+def test_native_int8_is_the_exact_product_of_quantized_activations(fmt, n, width, rows):
+    """Against the float reference of the same numerics: activations quantized per block
+    of 32 as the kernel does, the file's weights (Q5_0: codes 0..31 with m = -16 d; Q6_K:
+    codes 0..63, (q - 32) * d * sc per half-block of 16)."""
+    cols = [LAYOUT_WIDTHS[fmt][0], 576 if fmt == "q5_0" else 1536][width]
+    blocks = random_blocks(fmt, rows, cols, seed=n + cols)
+    weight = QuantizedWeight.from_gguf(fmt, blocks, cols).tiled()
+    x = torch.randn(n, cols)
+    x[0, :32] = 0.0  # an all-zero block quantizes to zeros, not NaN
+    bias = torch.randn(rows)
+    dense = gguf_weights(fmt, blocks, rows, cols).double()
+    expected = cpu.quantize_activations(x).double() @ dense.T + bias
+    got = cpu.quant_linear(x, weight, bias, int8=True)
+    scale = expected.abs().max().item()
+    # fp32 rounding of sums as large as the outputs (Q6_K's random scales make them ~50)
+    atol = 2e-5 if fmt == "q5_0" else 2e-5 * scale
+    torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=atol)
+    exact = x.double() @ dense.T + bias
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("fmt", NATIVE_INT8)
+def test_native_int8_rows_do_not_depend_on_the_batch(fmt):
+    cols = 576 if fmt == "q5_0" else 768
+    weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 40, cols), cols).tiled()
+    x = torch.randn(150, cols)  # more than one 64-row tile of inputs
+    whole = cpu.quant_linear(x, weight, int8=True)
+    for n in range(1, 71):
+        assert torch.equal(cpu.quant_linear(x[:n].contiguous(), weight, int8=True), whole[:n])
+    for j in (0, 9, 64, 149):  # one row alone, wherever it sat in the batch
+        alone = cpu.quant_linear(x[j : j + 1].contiguous(), weight, int8=True)
+        assert torch.equal(alone, whole[j : j + 1])
+
+
+@pytest.mark.parametrize("fmt", NATIVE_INT8)
+def test_native_int8_gives_the_same_bits_on_every_isa(fmt):
+    """VNNI, AVX-512 without it (maddubs: 63 * 127 * 2 fits int16) and AVX2 (the top bits
+    spread from 32-bit halves, two 8-lane halves) sum the same exact integers in the same
+    order."""
+    flags = cpu_build.cpu_flags()
+    runnable = [isa for isa, (_, need) in cpu_build.ISA_LEVELS.items() if set(need) <= flags]
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs only {runnable}")
+    cols = 576 if fmt == "q5_0" else 768
+    weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, cols, seed=7), cols)
+    weight = weight.tiled()
+    bias = torch.randn(37)
+    for n in (1, 11):
+        x = torch.randn(n, cols)
+        x[0] *= 1e3  # large activations: codes at +-127
+        outs = []
+        for isa in runnable:
+            lib = ctypes.CDLL(str(cpu_build.build(isa)))
+            fn = lib.hr_quant_linear_int8
+            fn.argtypes, fn.restype = cpu._SIGNATURES["hr_quant_linear_int8"], None
+            out = torch.empty(n, 37)
+            fn(
+                weight.format.code, x.data_ptr(), n, cols, weight.data.data_ptr(), 37,
+                out.data_ptr(), bias.data_ptr(),
+            )  # fmt: skip
+            outs.append(out)
+        for isa, out in zip(runnable[1:], outs[1:], strict=True):
+            assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"

@@ -5,8 +5,8 @@
 // product scaled once:  d * dx * sum(q * xq) + m * dx * sum(xq), so the weights are never
 // expanded to floats. Only the activations are approximated (~0.4% per element), which is
 // what llama.cpp computes for this model. Every format is read as unsigned codes with a
-// min: Q4_1 stores m; Q4_0 is q - 8, so m = -8d; Q8_0's signed codes are read as
-// q + 128 (the top bit flipped), so m = -128d.
+// min: Q4_1 stores m; Q4_0 is q - 8, so m = -8d; Q5_0 is q - 16 (codes 0..31), so
+// m = -16d; Q8_0's signed codes are read as q + 128 (the top bit flipped), so m = -128d.
 //
 // Weight rows are in the "tiled" layout (kernels/quant.py QuantizedWeight.tiled): rows in
 // tiles of 16 (the last one zero-padded), and within a tile, block by block, 4-byte lane i
@@ -14,8 +14,20 @@
 //   Q4_0/Q4_1: 4 vectors per block; byte 4i + k of vector s
 //     = q[i][8s + k] | q[i][8s + 4 + k] << 4 (its low nibbles give codes 8s.., high 8s + 4..)
 //   Q8_0: 8 vectors per block; byte 4i + k of vector t = q[i][4t + k]
-// then the tile's scales: [nb][16] fp16 d, and (Q4_1) [nb][16] fp16 m. A tile is as many
-// bytes as 16 rows of the per-row layout.
+//   Q5_0: the low 4 bits of the codes as Q4_0's 4 vectors, then the high-bit plane: 8
+//     64-bit words, bit 4i + k of word t = bit 4 of q[i][4t + k], so word t is the 5th bit
+//     of the 64 bytes of the t-th unpacked code vector (one masked byte move and an or)
+//   Q6_K: the low 4 bits as Q4_0's 4 vectors, then 2 vectors of the top 2 bits: bits
+//     2j, 2j + 1 of byte 4i + k of vector h = bits 4, 5 of q[i][4(4h + j) + k]
+// then the tile's scales: [nb][16] fp16 d, and (Q4_1) [nb][16] fp16 m; Q6_K: [nb][2][16]
+// int8 sub-block scales (the two halves of 16 of each block), then [nb / 8][16] fp16 d of
+// each super-block of 256. A tile is as many bytes as 16 rows of the per-row layout (Q5_0:
+// 22 per 32 weights, Q6_K 210 per 256, as in the file).
+//
+// Q6_K (w = d * sc_h * (q - 32), q in 0..63, one sc per half-block of 16): the integer
+// sum of each half apart, T = sc_0 * (S_0 - 32 X_0) + sc_1 * (S_1 - 32 X_1) exact in int32
+// (X_h: the half's sum of activation codes), then acc = fma(T, d * dx_b, acc): one float
+// operation per block, in the same order for any batch and ISA.
 //
 // One integer dot-product instruction (VNNI vpdpbusd) multiplies 4 codes of each of the 16
 // rows by the same 4 activation bytes (broadcast), so 8 of them leave a block's whole dot
@@ -30,6 +42,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -49,29 +62,33 @@ constexpr int64_t kAhead = 32768;
 // The activations, quantized: per row the codes in plain order, per block dx and
 // dx * sum(codes).
 struct QuantizedRows {
-  std::vector<int8_t> q;   // [n][nb * 32]
-  std::vector<float> dx;   // [n][nb]
-  std::vector<float> dxs;  // [n][nb]
+  std::vector<int8_t> q;     // [n][nb * 32]
+  std::vector<float> dx;     // [n][nb]
+  std::vector<float> dxs;    // [n][nb]
+  std::vector<int32_t> x16;  // [n][nb][2]: the codes' sum over each half of 16 (Q6_K)
 };
 
-// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0), codes and scales; a tile
-// is 16 of them.
+// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0), codes and scales;
+// a tile is 16 of them.
 inline int64_t row_bytes_of(int64_t format, int64_t nb) {
-  return nb * (format == 2 ? 34 : format == 1 ? 20 : 18);
+  if (format == 7) return nb / 8 * 210;  // Q6_K: super-blocks of 256
+  return nb * (format == 3 ? 22 : format == 2 ? 34 : format == 1 ? 20 : 18);
 }
 
-void quantize_block(const float* x, int8_t* q, float* dx, float* dxs) {
+void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x16) {
   float amax = 0.0f;
   for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  int sum = 0;
+  int halves[2] = {0, 0};
   for (int i = 0; i < 32; ++i) {
     const int v = static_cast<int>(std::nearbyint(x[i] * inv));
     q[i] = static_cast<int8_t>(v);
-    sum += v;
+    halves[i / 16] += v;
   }
   *dx = amax / 127.0f;
-  *dxs = *dx * static_cast<float>(sum);
+  *dxs = *dx * static_cast<float>(halves[0] + halves[1]);
+  x16[0] = halves[0];
+  x16[1] = halves[1];
 }
 
 void quantize_rows(const float* x, int64_t n, int64_t k, QuantizedRows& out) {
@@ -79,9 +96,11 @@ void quantize_rows(const float* x, int64_t n, int64_t k, QuantizedRows& out) {
   out.q.resize(n * k);
   out.dx.resize(n * nb);
   out.dxs.resize(n * nb);
+  out.x16.resize(n * nb * 2);
 #pragma omp parallel for schedule(static) if (n >= 16)
   for (int64_t i = 0; i < n * nb; ++i)
-    quantize_block(x + i * 32, out.q.data() + i * 32, out.dx.data() + i, out.dxs.data() + i);
+    quantize_block(x + i * 32, out.q.data() + i * 32, out.dx.data() + i, out.dxs.data() + i,
+                   out.x16.data() + 2 * i);
 }
 
 // 16 int32 lanes: one zmm with AVX-512, two ymm with AVX2.
@@ -97,6 +116,29 @@ inline I16 high_nibbles(I16 a) {
 }
 inline I16 flip_sign(I16 a) { return {_mm512_xor_si512(a.v, _mm512_set1_epi8(-128))}; }
 inline v16f to_float(I16 a) { return (v16f)_mm512_cvtepi32_ps(a.v); }
+// a | 16 in the bytes whose bit of `bits` is set (Q5_0's 5th bit).
+inline I16 with_high(I16 a, uint64_t bits) {
+  return {_mm512_or_si512(a.v, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16)))};
+}
+// Bits 4, 5 of each byte: bits 2j, 2j + 1 of h's bytes (Q6_K's top bits), else 0.
+inline I16 top2(I16 h, int j) {
+  const __m512i v = j == 0   ? _mm512_slli_epi16(h.v, 4)
+                    : j == 1 ? _mm512_slli_epi16(h.v, 2)
+                    : j == 2 ? h.v
+                             : _mm512_srli_epi16(h.v, 2);
+  return {_mm512_and_si512(v, _mm512_set1_epi8(0x30))};
+}
+inline I16 or16(I16 a, I16 b) { return {_mm512_or_si512(a.v, b.v)}; }
+// 16 int8 at p, one per int32 lane.
+inline I16 bytes16(const int8_t* p) {
+  return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+// sc0 * (s0 - c0) + sc1 * (s1 - c1), per int32 lane.
+inline I16 scaled_pair(I16 sc0, I16 s0, int32_t c0, I16 sc1, I16 s1, int32_t c1) {
+  const __m512i a = _mm512_mullo_epi32(sc0.v, _mm512_sub_epi32(s0.v, _mm512_set1_epi32(c0)));
+  const __m512i b = _mm512_mullo_epi32(sc1.v, _mm512_sub_epi32(s1.v, _mm512_set1_epi32(c1)));
+  return {_mm512_add_epi32(a, b)};
+}
 // acc + per lane the sum of 4 products u8(u) * s8(x4's bytes); `wide`: u may exceed 127.
 inline I16 dot4(I16 acc, I16 u, int32_t x4, bool wide) {
   const __m512i x = _mm512_set1_epi32(x4);
@@ -133,6 +175,43 @@ inline I16 high_nibbles(I16 a) {
 inline I16 flip_sign(I16 a) {
   const __m256i s = _mm256_set1_epi8(-128);
   return {_mm256_xor_si256(a.lo, s), _mm256_xor_si256(a.hi, s)};
+}
+// 16 in byte j of 32 where bit j of `bits` is set, else 0.
+inline __m256i high_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                       3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+inline I16 with_high(I16 a, uint64_t bits) {
+  return {_mm256_or_si256(a.lo, high_bytes(static_cast<uint32_t>(bits))),
+          _mm256_or_si256(a.hi, high_bytes(static_cast<uint32_t>(bits >> 32)))};
+}
+inline __m256i top2_half(__m256i h, int j) {
+  const __m256i v = j == 0   ? _mm256_slli_epi16(h, 4)
+                    : j == 1 ? _mm256_slli_epi16(h, 2)
+                    : j == 2 ? h
+                             : _mm256_srli_epi16(h, 2);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x30));
+}
+inline I16 top2(I16 h, int j) { return {top2_half(h.lo, j), top2_half(h.hi, j)}; }
+inline I16 or16(I16 a, I16 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+inline I16 bytes16(const int8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))};
+}
+inline __m256i scaled_half(__m256i sc0, __m256i s0, int32_t c0, __m256i sc1, __m256i s1,
+                           int32_t c1) {
+  const __m256i a = _mm256_mullo_epi32(sc0, _mm256_sub_epi32(s0, _mm256_set1_epi32(c0)));
+  const __m256i b = _mm256_mullo_epi32(sc1, _mm256_sub_epi32(s1, _mm256_set1_epi32(c1)));
+  return _mm256_add_epi32(a, b);
+}
+inline I16 scaled_pair(I16 sc0, I16 s0, int32_t c0, I16 sc1, I16 s1, int32_t c1) {
+  return {scaled_half(sc0.lo, s0.lo, c0, sc1.lo, s1.lo, c1),
+          scaled_half(sc0.hi, s0.hi, c0, sc1.hi, s1.hi, c1)};
 }
 inline v16f to_float(I16 a) {
   __m256 halves[2] = {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)};
@@ -184,6 +263,27 @@ struct Q4 {  // Q4_0 and Q4_1: nibbles, 4 vectors per block
   }
 };
 
+struct Q5 {  // Q5_0: Q4_0's nibble vectors, then 8 words of the 5th bits
+  static constexpr int64_t kBlockBytes = 20;
+  static constexpr bool kWide = false;  // codes <= 31: 31 * 127 * 2 fits maddubs' int16
+  static inline void unpack(const uint8_t* p, I16 (&u)[8]) {
+    Q4::unpack(p, u);
+    uint64_t bits[8];
+    std::memcpy(bits, p + 256, sizeof bits);
+    for (int t = 0; t < 8; ++t) u[t] = with_high(u[t], bits[t]);
+  }
+};
+
+struct Q6K {  // Q6_K: Q4_0's nibble vectors, then 2 vectors of the top 2 bits
+  static constexpr int64_t kBlockBytes = 24;
+  static constexpr bool kWide = false;  // codes <= 63: 63 * 127 * 2 fits maddubs' int16
+  static inline void unpack(const uint8_t* p, I16 (&u)[8]) {
+    Q4::unpack(p, u);
+    const I16 h[2] = {load64(p + 256), load64(p + 320)};
+    for (int t = 0; t < 8; ++t) u[t] = or16(u[t], top2(h[t / 4], t % 4));
+  }
+};
+
 struct Q8 {  // Q8_0: signed bytes, 8 vectors per block, read as q + 128
   static constexpr int64_t kBlockBytes = 32;
   static constexpr bool kWide = true;
@@ -200,7 +300,8 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
               bool prefetch) {
   const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
   const uint8_t* mh = dh + nb * kTile * 2;
-  const float min_per_d = format == 0 ? -8.0f : -128.0f;  // Q4_0, Q8_0 (Q4_1 stores m)
+  // Q4_0, Q5_0, Q8_0 (Q4_1 stores m)
+  const float min_per_d = format == 0 ? -8.0f : format == 3 ? -16.0f : -128.0f;
   const int64_t k = nb * 32;
   v16f acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = splat(0.0f);
@@ -211,6 +312,27 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
         _mm_prefetch(reinterpret_cast<const char*>(codes) + kAhead + line, _MM_HINT_T1);
     I16 u[8];
     C::unpack(codes, u);
+    if constexpr (std::is_same_v<C, Q6K>) {
+      // Each half of 16 apart (vectors 0-3: codes 0-15; 4-7: codes 16-31), then scaled.
+      const int8_t* sc = reinterpret_cast<const int8_t*>(dh) + 32 * b;
+      const v16f d = halves16(dh + nb * 2 * kTile + 32 * (b / 8));
+      I16 s0[NR], s1[NR];
+      for (int j = 0; j < NR; ++j) s0[j] = s1[j] = zero16();
+      for (int t = 0; t < 8; ++t)
+        for (int j = 0; j < NR; ++j) {
+          const int32_t x4 = load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t);
+          if (t < 4) s0[j] = dot4(s0[j], u[t], x4, false);
+          else s1[j] = dot4(s1[j], u[t], x4, false);
+        }
+      const I16 sc0 = bytes16(sc), sc1 = bytes16(sc + 16);
+      for (int j = 0; j < NR; ++j) {
+        const int64_t at = (j0 + j) * nb + b;
+        const int32_t* x16 = xr.x16.data() + 2 * at;
+        const I16 sum = scaled_pair(sc0, s0[j], 32 * x16[0], sc1, s1[j], 32 * x16[1]);
+        acc[j] = fma16(to_float(sum), d * xr.dx[at], acc[j]);
+      }
+      continue;
+    }
     I16 s[NR];
     for (int j = 0; j < NR; ++j) s[j] = zero16();
     for (int t = 0; t < 8; ++t)
@@ -234,19 +356,21 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
 
 template <class C, int NR>
 void tile_rows(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRows& xr,
-               int64_t x0, int64_t x1, float* out, int64_t m, int64_t r0, const float* bias) {
+               int64_t x0, int64_t x1, float* out, int64_t ldo, int64_t m, int64_t r0,
+               const float* bias) {
   const int64_t valid = std::min(kTile, m - r0);
   int64_t j = x0;
   for (; j + NR <= x1; j += NR)
-    tile_dot<C, NR>(tile, nb, format, xr, j, out, m, r0, valid, bias, j == x0);
+    tile_dot<C, NR>(tile, nb, format, xr, j, out, ldo, r0, valid, bias, j == x0);
   if constexpr (NR > 1) {
-    if (j < x1) tile_rows<C, NR / 2>(tile, nb, format, xr, j, x1, out, m, r0, bias);
+    if (j < x1) tile_rows<C, NR / 2>(tile, nb, format, xr, j, x1, out, ldo, m, r0, bias);
   }
 }
 
+// ldo: the row stride of out (m, or wider when W is one part of a stacked weight).
 template <class C>
 void linear(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const uint8_t* w,
-            int64_t m, float* out, const float* bias, int64_t row_bytes) {
+            int64_t m, float* out, int64_t ldo, const float* bias, int64_t row_bytes) {
   const int64_t nb = k / 32, tiles = (m + kTile - 1) / kTile;
 #pragma omp parallel if (n * k * m >= kParallelWork)
   {
@@ -260,7 +384,7 @@ void linear(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const
     for (int64_t x0 = 0; x0 < n; x0 += kXTile) {
       const int64_t x1 = std::min(n, x0 + kXTile);
       for (int64_t t = t0; t < t1; ++t)
-        tile_rows<C, kRows>(w + t * kTile * row_bytes, nb, format, xr, x0, x1, out, m,
+        tile_rows<C, kRows>(w + t * kTile * row_bytes, nb, format, xr, x0, x1, out, ldo, m,
                             t * kTile, bias);
     }
   }
@@ -273,7 +397,37 @@ inline int code_at(const uint8_t* tile, int64_t i, int64_t b, int j) {
   const uint8_t* block = tile + b * kTile * C::kBlockBytes;
   if constexpr (C::kWide) return static_cast<int8_t>(block[64 * t + 4 * i + k]);
   const uint8_t byte = block[64 * (t / 2) + 4 * i + k];  // vector s = t / 2, nibble t % 2
-  return t % 2 ? byte >> 4 : byte & 15;
+  const int low = t % 2 ? byte >> 4 : byte & 15;
+  if constexpr (C::kBlockBytes == 24) {  // Q6_K: bits 2(t % 4).. of vector t / 4's byte
+    return low | ((block[256 + 64 * (t / 4) + 4 * i + k] >> (2 * (t % 4))) & 3) << 4;
+  }
+  if constexpr (C::kBlockBytes == 20) {  // Q5_0: bit 4i + k of word t of the plane
+    const int bit = 4 * static_cast<int>(i) + k;
+    return low | ((block[256 + 8 * t + bit / 8] >> (bit % 8)) & 1) << 4;
+  }
+  return low;
+}
+
+void dequantize_tiled_q6k(const uint8_t* w, int64_t k, const int64_t* rows, int64_t count,
+                          float* out) {
+  const int64_t nb = k / 32;
+  const int64_t row_bytes = row_bytes_of(7, nb);
+#pragma omp parallel for schedule(static) if (count * k > (1 << 16))
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t r = rows ? rows[c] : c, i = r % kTile;
+    const uint8_t* tile = w + r / kTile * kTile * row_bytes;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(tile + nb * kTile * Q6K::kBlockBytes);
+    const uint8_t* dh = tile + nb * kTile * (Q6K::kBlockBytes + 2);
+    for (int64_t b = 0; b < nb; ++b) {
+      const float d = half_to_float(dh + 2 * (b / 8 * kTile + i));
+      for (int j = 0; j < 32; ++j) {
+        // As gguf computes them: (d * sc) * (q - 32), exact in fp32.
+        const float scale = d * static_cast<float>(sc[32 * b + 16 * (j / 16) + i]);
+        const int q = code_at<Q6K>(tile, i, b, j);
+        out[c * k + b * 32 + j] = scale * static_cast<float>(q - 32);
+      }
+    }
+  }
 }
 
 template <class C>
@@ -291,30 +445,53 @@ void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t
       const float mn = format == 1 ? half_to_float(dh + 2 * (nb * kTile + b * kTile + i)) : 0.0f;
       for (int j = 0; j < 32; ++j) {
         const int q = code_at<C>(tile, i, b, j);
-        // As gguf computes them: d * q (+ m), Q4_0 as d * (q - 8); all exact in fp32.
-        out[c * k + b * 32 + j] = format == 0 ? d * static_cast<float>(q - 8)
-                                              : d * static_cast<float>(q) + mn;
+        // As gguf computes them: d * q (+ m), Q4_0 as d * (q - 8), Q5_0 as d * (q - 16);
+        // all exact in fp32.
+        out[c * k + b * 32 + j] = format == 0   ? d * static_cast<float>(q - 8)
+                                  : format == 3 ? d * static_cast<float>(q - 16)
+                                                : d * static_cast<float>(q) + mn;
       }
     }
   }
 }
 
+void linear_of(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const uint8_t* w,
+               int64_t m, float* out, int64_t ldo, const float* bias) {
+  const int64_t rb = row_bytes_of(format, k / 32);
+  if (format == 2) return linear<Q8>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  if (format == 3) return linear<Q5>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  if (format == 7) return linear<Q6K>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  linear<Q4>(format, xr, n, k, w, m, out, ldo, bias, rb);
+}
+
 }  // namespace
 
 // out[n, m] = q8(x[n, k]) @ W[m, k]^T (+ bias[m]); W in the tiled layout of `format`
-// (0 Q4_0, 1 Q4_1, 2 Q8_0; ceil(m / 16) tiles); k % 32 == 0.
+// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 7 Q6_K; ceil(m / 16) tiles), or (8) a table of tiled
+// parts; k % 32 == 0 (Q6_K: k % 256 == 0).
 HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k,
                                     const uint8_t* w, int64_t m, float* out, const float* bias) {
   QuantizedRows xr;
   quantize_rows(x, n, k, xr);
-  const int64_t row_bytes = row_bytes_of(format, k / 32);
-  if (format == 2) return linear<Q8>(format, xr, n, k, w, m, out, bias, row_bytes);
-  linear<Q4>(format, xr, n, k, w, m, out, bias, row_bytes);
+  if (format != 8) return linear_of(format, xr, n, k, w, m, out, m, bias);
+  // A stack of tiled weights of different formats (fused q|k|v of a Q4_K_M file: Q8_0 v
+  // rows beside Q5_0 q and k): w is int64 [parts, then per part format, weight, rows], as
+  // hr_quant_linear's; each part fills its own columns of out (the same sums as alone).
+  const int64_t* table = reinterpret_cast<const int64_t*>(w);
+  int64_t r = 0;
+  for (int64_t i = 0; i < table[0]; ++i) {
+    const int64_t* part = table + 1 + 3 * i;
+    const auto* weight = reinterpret_cast<const uint8_t*>(static_cast<intptr_t>(part[1]));
+    linear_of(part[0], xr, n, k, weight, part[2], out + r, m, bias ? bias + r : nullptr);
+    r += part[2];
+  }
 }
 
 // out[i, :] = W[rows[i], :] in fp32 for W in the tiled layout (rows == nullptr: all).
 HR_EXPORT void hr_dequantize_tiled(int64_t format, const uint8_t* w, int64_t k,
                                    const int64_t* rows, int64_t count, float* out) {
   if (format == 2) return dequantize_tiled<Q8>(format, w, k, rows, count, out);
+  if (format == 3) return dequantize_tiled<Q5>(format, w, k, rows, count, out);
+  if (format == 7) return dequantize_tiled_q6k(w, k, rows, count, out);
   dequantize_tiled<Q4>(format, w, k, rows, count, out);
 }
