@@ -202,6 +202,40 @@ def test_result_summary_ratios_goals_json_and_png(tmp_path, monkeypatch, capsys)
     assert (tmp_path / "cpu-compare-test.png").stat().st_size > 10_000
 
 
+def test_greedy_agreement_with_llama_cpp_after_the_timed_parts() -> None:
+    """--agree-prompts: seeded prompts of --decode-prompt-len, distinct from the timed ones;
+    every system decodes each once more, and the summary counts each system's leading tokens
+    equal to llama.cpp's."""
+    args = cpu_compare.parse_args(["--reps", "1", "--num-requests", "6", "--agree-prompts", "3"])
+    plan = measure.make_plan(args, VOCAB)
+    assert [len(p) for p in plan.agree_prompts] == [32] * 3
+    assert len({tuple(p) for p in plan.agree_prompts + plan.decode_prompts}) == 4
+    assert measure.make_plan(cpu_compare.parse_args([]), VOCAB).agree_prompts == []
+    systems = [FakeSystem("headrace[quantized]", 0.2, 1 / 150, 200.0, part_at=5),
+               FakeSystem("llama.cpp", 0.25, 1 / 120, 125.0)]  # fmt: skip
+    raw = measure.measure(systems, plan, 1, log=lambda _: None)
+    for name, runs in measure.agreement_runs(systems, plan).items():
+        assert [r["prompt"] for r in runs] == [0, 1, 2]
+        raw[name]["agree"] = runs
+    assert systems[0].calls[-3:] == ["run128"] * 3
+    s = report.summarize(raw, {})
+    assert s["headrace[quantized]"]["greedy_tokens_as_llama_cpp"] == [5, 5, 5]
+    assert "greedy_tokens_as_llama_cpp" not in s["llama.cpp"]
+    with pytest.raises(SystemExit):
+        cpu_compare.parse_args(["--agree-prompts", "-1"])
+
+
+def test_goals_of_another_table() -> None:
+    """report.goals judges any table of goals (bench/moe_gguf.py passes issue 27's)."""
+    table = (("twice", "decode >= 2x llama.cpp's", "decode", "decode_tok_s",
+              lambda v, s: v >= 2 * s["llama.cpp"]["decode_tok_s"]),)  # fmt: skip
+    summary = {"headrace[quantized]": {"decode_tok_s": 50.0}, "llama.cpp": {"decode_tok_s": 20.0}}
+    settings = vars(cpu_compare.parse_args([]))
+    g = report.goals(summary, settings, table)
+    assert g == {"headrace[quantized]": {"twice": {"goal": "decode >= 2x llama.cpp's",
+                                                  "value": 50.0, "met": True}}}  # fmt: skip
+
+
 def test_goals_missing_systems_give_no_verdict() -> None:
     summary = {"headrace[dense]": {"decode_tok_s": 50.0, "ttft_s": 0.7, "many_output_tok_s": 90.0,
                                    "rss_idle_mib": 2000.0}}  # fmt: skip
