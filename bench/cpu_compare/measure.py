@@ -156,10 +156,17 @@ def measure(
 
 def agreement_runs(systems: Sequence[Any], plan: Plan) -> dict[str, list[dict[str, Any]]]:
     """Untimed: each system's greedy tokens (``plan.new_tokens``, EOS ignored) for every
-    agreement prompt, a check that the systems run the same model with close numerics."""
+    agreement prompt, a check that the systems run the same model with close numerics; from
+    a system's ``greedy(prompt, n)`` where it has one (llama.cpp: its streamed ``run`` may
+    not see every id), else from ``run``."""
+
+    def ids(system: Any, prompt: list[int]) -> list[int]:
+        greedy = getattr(system, "greedy", None)
+        return greedy(prompt, plan.new_tokens) if greedy else system.run(prompt, plan.new_tokens)[1]
+
     return {
         system.name: [
-            {"prompt": i, "token_ids": system.run(prompt, plan.new_tokens)[1]}
+            {"prompt": i, "token_ids": ids(system, prompt)}
             for i, prompt in enumerate(plan.agree_prompts)
         ]
         for system in systems

