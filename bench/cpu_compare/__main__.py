@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.cpu_compare.measure import PARTS, Plan, make_plan, measure, warm_up
-from bench.cpu_compare.report import assemble, plot, print_table
+from bench.cpu_compare.measure import PARTS, Plan, agreement_runs, make_plan, measure, warm_up
+from bench.cpu_compare.report import GOALS, assemble, plot, print_table
 from bench.offline.workload import model_vocab_size
 from bench.procs import cpu_flags
 
@@ -99,6 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--output-mean", type=float, default=48, help="mean of the exponential")
     w.add_argument("--output-cap", type=int, default=160, help="longest output (tokens)")
     w.add_argument("--seed", type=int, default=0, help="seed of every prompt and length")
+    p.add_argument(
+        "--agree-prompts", type=int, default=0,
+        help="after the timed parts, this many more seeded prompts (--decode-prompt-len, "
+        "--new-tokens) on every system, untimed: how many leading greedy tokens each system "
+        "shares with llama.cpp's (summary greedy_tokens_as_llama_cpp)",
+    )  # fmt: skip
     p.add_argument("--name", default="cpu-compare", help="result file prefix in bench/results/")
     args = p.parse_args(argv)
     try:
@@ -114,6 +120,8 @@ def check_args(args: argparse.Namespace) -> None:
     for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.agree_prompts < 0:
+        raise ValueError("--agree-prompts must be >= 0")
     if args.prompt_max < args.prompt_min or args.output_cap < 1 or args.output_mean <= 0:
         raise ValueError("need --prompt-min <= --prompt-max, --output-cap >= 1, --output-mean > 0")
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
@@ -193,13 +201,17 @@ def run(args: argparse.Namespace, plan: Plan) -> tuple[dict, dict, dict, dict]:
             warm_up(system, plan)
         load["before_measure"] = common.load_average()
         raw = measure(systems, plan, args.reps, args.parts, log=lambda s: print(s, flush=True))
+        if plan.agree_prompts:
+            print(f"greedy agreement: {len(plan.agree_prompts)} prompts ...", flush=True)
+            for name, runs in agreement_runs(systems, plan).items():
+                raw[name]["agree"] = runs
         infos = {system.name: system.info() for system in systems}
     load["end"] = common.load_average()
     return raw, infos, skipped, load
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def collect(args: argparse.Namespace, goal_table: tuple = GOALS) -> dict[str, Any]:
+    """Run every system and assemble the result (printed, not yet written)."""
     plan = make_plan(args, model_vocab_size(args.gguf))
     raw, infos, skipped, load = run(args, plan)
     llama = infos.get("llama.cpp", {}).get("version")
@@ -213,11 +225,18 @@ def main(argv: list[str] | None = None) -> None:
         raw=raw,
         skipped=skipped,
         load_average=load,
+        goal_table=goal_table,
     )
     payload["load_warning"] = warning
     print_table(payload)
     if warning:
         print(f"WARNING: {warning}")
+    return payload
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    payload = collect(args)
     common.publish(args.name, payload, lambda stamp: plot(payload, stamp, args.name))
 
 

@@ -26,6 +26,7 @@ from bench.procs import ServerProcess, free_port
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 3600.0
+HELD = -1  # the id of a streamed token the server did not send (see LlamaSystem.run)
 
 
 def find_llama_server(given: str | None) -> tuple[str | None, str]:
@@ -162,7 +163,11 @@ class LlamaSystem:
         return response
 
     def run(self, prompt: list[int], new_tokens: int) -> tuple[list[float], list[int], float]:
-        """Streamed: each server-sent event carries the new token's id, stamped on arrival."""
+        """Streamed: each server-sent event carries the new token's id, stamped on arrival.
+        A token whose text ends inside a UTF-8 character is never streamed (the server holds
+        the bytes and sends no event for it, nor its id later); the next event's
+        ``tokens_predicted`` counts it, so it is stamped then, with id HELD (``greedy`` gives
+        every id)."""
         stamps: list[float] = []
         ids: list[int] = []
         start = time.perf_counter()
@@ -172,13 +177,21 @@ class LlamaSystem:
                 continue
             event = json.loads(line[6:])
             now = time.perf_counter()
-            stamps.extend(now for _ in event.get("tokens", []))
-            ids.extend(event.get("tokens", []))
+            tokens = event.get("tokens", [])
+            held = event.get("tokens_predicted", 0) - len(ids) - len(tokens)
+            ids.extend([HELD] * max(held, 0) + tokens)
+            stamps.extend(now for _ in range(len(ids) - len(stamps)))
             if event.get("stop"):
                 self.last_server = server_side(event.get("timings", {}))
                 break
         response.close()
         return stamps, ids, start
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        """Every greedy token id, not streamed (the final response lists them all)."""
+        return json.loads(self._post(completion_body(prompt, new_tokens, stream=False)).read())[
+            "tokens"
+        ]
 
     def many(self, workload: Workload) -> dict[str, Any]:
         """All requests at once, one thread and connection each, not streamed: a request's

@@ -12,7 +12,7 @@ import argparse
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench import common
@@ -31,6 +31,8 @@ class Plan:
     new_tokens: int  # decoded per single-stream run
     workload: Workload  # the many-stream run
     warmup_prompts: tuple[list[int], list[int]]  # (decode, ttft) for the untimed warm-up
+    # untimed, after the measurement: every system's greedy tokens, compared with llama.cpp's
+    agree_prompts: list[list[int]] = field(default_factory=list)
 
     def slot_context(self, multiple: int = 256) -> int:
         """Tokens one llama-server slot must hold for the longest request of the plan."""
@@ -82,6 +84,10 @@ def make_plan(args: argparse.Namespace, vocab_size: int) -> Plan:
             random_prompt(vocab_size, args.decode_prompt_len, args.seed, "warmup-decode"),
             random_prompt(vocab_size, args.ttft_prompt_len, args.seed, "warmup-ttft"),
         ),
+        agree_prompts=[
+            random_prompt(vocab_size, args.decode_prompt_len, args.seed, f"agree-{i}")
+            for i in range(getattr(args, "agree_prompts", 0))
+        ],
     )
 
 
@@ -146,6 +152,25 @@ def measure(
                 raw[system.name][part].append(result)
                 log(f"rep {rep + 1}/{reps} {part:<6} {system.name:<26} {_headline(part, result)}")
     return raw
+
+
+def agreement_runs(systems: Sequence[Any], plan: Plan) -> dict[str, list[dict[str, Any]]]:
+    """Untimed: each system's greedy tokens (``plan.new_tokens``, EOS ignored) for every
+    agreement prompt, a check that the systems run the same model with close numerics; from
+    a system's ``greedy(prompt, n)`` where it has one (llama.cpp: its streamed ``run`` may
+    not see every id), else from ``run``."""
+
+    def ids(system: Any, prompt: list[int]) -> list[int]:
+        greedy = getattr(system, "greedy", None)
+        return greedy(prompt, plan.new_tokens) if greedy else system.run(prompt, plan.new_tokens)[1]
+
+    return {
+        system.name: [
+            {"prompt": i, "token_ids": ids(system, prompt)}
+            for i, prompt in enumerate(plan.agree_prompts)
+        ]
+        for system in systems
+    }
 
 
 def _headline(part: str, result: dict[str, Any]) -> str:

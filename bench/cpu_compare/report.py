@@ -63,6 +63,11 @@ def summarize(raw: dict[str, dict[str, list]], infos: dict[str, dict]) -> dict[s
         }
         if name != HF and raw.get(HF, {}).get("decode"):
             entry["greedy_tokens_as_hf"] = _agreement(decode, raw[HF]["decode"])
+        if name != LLAMA and raw.get(LLAMA, {}).get("agree") and parts.get("agree"):
+            entry["greedy_tokens_as_llama_cpp"] = [
+                common_prefix(mine["token_ids"], theirs["token_ids"])
+                for mine, theirs in zip(parts["agree"], raw[LLAMA]["agree"], strict=True)
+            ]
         if name == LLAMA:
             entry["server_decode_tok_s"] = _median(decode, "server_predicted_per_second")
             entry["server_ttft_s"] = _median(
@@ -103,22 +108,27 @@ def ratios(summary: dict[str, dict]) -> dict[str, dict[str, float | None]]:
     return out
 
 
-def goals(summary: dict[str, dict], settings: dict[str, Any]) -> dict[str, dict]:
-    """Issue 11's goals per headrace configuration: met true/false, or null when a figure
-    (or the system it is compared with) is missing, or the run's settings are not the ones
-    the goal is stated for."""
+def goals(
+    summary: dict[str, dict],
+    settings: dict[str, Any],
+    table: tuple = GOALS,
+    stated_for: dict[str, dict[str, Any]] = ISSUE_SETTINGS,
+) -> dict[str, dict]:
+    """The goals of ``table`` (default issue 11's) per headrace configuration: met
+    true/false, or null when a figure (or the system it is compared with) is missing, or the
+    run's settings are not the ones the goal is stated for (``stated_for``, per part)."""
     out = {}
     for name, mine in summary.items():
         if not name.startswith("headrace"):
             continue
         out[name] = {}
-        for key, what, part, field, test in GOALS:
+        for key, what, part, field, test in table:
             value = mine.get(field)
-            stated = all(settings.get(k) == v for k, v in ISSUE_SETTINGS[part].items())
+            stated = all(settings.get(k) == v for k, v in stated_for[part].items())
             met = None if value is None or not stated else test(value, summary)
             out[name][key] = {"goal": what, "value": value, "met": met}
             if not stated:
-                out[name][key]["note"] = f"run with other settings than {ISSUE_SETTINGS[part]}"
+                out[name][key]["note"] = f"run with other settings than {stated_for[part]}"
     return out
 
 
@@ -130,8 +140,10 @@ def assemble(
     raw: dict[str, dict[str, list]],
     skipped: dict[str, str],
     load_average: dict[str, list[float]],
+    goal_table: tuple = GOALS,
 ) -> dict[str, Any]:
-    """The JSON payload (bench/common.py's write_result adds the commit and timestamp)."""
+    """The JSON payload (bench/common.py's write_result adds the commit and timestamp);
+    ``goal_table``: the goals judged (default issue 11's, stated for its settings)."""
     summary = summarize(raw, infos)
     return {
         "machine": common.machine_info() | machine_extra,
@@ -141,7 +153,7 @@ def assemble(
         "skipped": skipped,
         "summary": summary,
         "ratios": ratios(summary),
-        "goals": goals(summary, settings),
+        "goals": goals(summary, settings, goal_table),
         "systems": {name: {"info": infos.get(name, {}), **parts} for name, parts in raw.items()},
     }
 
@@ -160,6 +172,11 @@ def print_table(payload: dict[str, Any]) -> None:
     for name, g in payload["goals"].items():
         marks = {True: "met", False: "NOT met", None: "n/a"}
         print(f"{name} goals: " + "; ".join(f"{k} {marks[v['met']]}" for k, v in g.items()))
+    for name, s in payload["summary"].items():
+        if "greedy_tokens_as_llama_cpp" in s:
+            new = payload["plan"]["new_tokens"]
+            print(f"{name}: leading greedy tokens as llama.cpp's (of {new}): "
+                  f"{s['greedy_tokens_as_llama_cpp']}")  # fmt: skip
     for name, why in payload["skipped"].items():
         print(f"{name}: {why}")
 

