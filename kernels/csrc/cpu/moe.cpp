@@ -12,6 +12,8 @@
 //
 // Table: int64 [num_experts, 4]: gate|up weight pointer and block format, down weight
 // pointer and block format (kernels/cpu/launch.py moe_table).
+#include <omp.h>
+
 #include <vector>
 
 #include "common.h"
@@ -24,6 +26,39 @@ inline const uint8_t* weight(const int64_t* expert, int64_t field) {
   return reinterpret_cast<const uint8_t*>(static_cast<intptr_t>(expert[field]));
 }
 
+// One expert on its n rows: gather them, gate|up, silu(gate) * up, down (into ys).
+void run_expert(const int64_t* expert, int64_t int8, const float* x, const int64_t* picks,
+                int64_t n, int64_t h, int64_t inter, int64_t top_k, float* xs, float* gate_up,
+                float* act, float* ys) {
+  const auto linear = int8 ? hr_quant_linear_int8 : hr_quant_linear;
+  for (int64_t r = 0; r < n; ++r)
+    std::memcpy(xs + r * h, x + picks[r] / top_k * h, h * sizeof(float));
+  linear(expert[kGateUpFormat], xs, n, h, weight(expert, kGateUp), 2 * inter, gate_up, nullptr);
+  hr_silu_mul(gate_up, act, n, inter);
+  linear(expert[kDownFormat], act, n, inter, weight(expert, kDown), h, ys, nullptr);
+}
+
+// Each of the expert's rows times its weight, then added to its token's output
+// (compute/moe.py's two ops).
+__attribute__((optimize("fp-contract=off"))) void add_expert(
+    const int64_t* picks, int64_t n, int64_t h, int64_t top_k, const float* weights, float* ys,
+    float* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    float* y = ys + r * h;
+    float* o = out + picks[r] / top_k * h;
+    const float w = weights[picks[r]];
+    for (int64_t c = 0; c < h; ++c) y[c] *= w;
+    for (int64_t c = 0; c < h; ++c) o[c] += y[c];
+  }
+}
+
+// Token-expert pairs up to which the chosen experts run side by side, one per thread (a
+// decode step's few rows leave each projection too small to share among threads), each
+// projection on one thread; more run one after another, each projection on every thread.
+// A projection's rows are the same bits on any number of threads, and the outputs are
+// added in ascending expert order either way.
+constexpr int64_t kSideBySide = 64;
+
 }  // namespace
 
 // out [T, h] (zeroed by the caller) += sum over each token's experts of weight * MLP(x).
@@ -32,29 +67,39 @@ HR_EXPORT __attribute__((optimize("fp-contract=off"))) void hr_moe_experts(
     const int64_t* table, int64_t num_experts, int64_t int8, const float* x, int64_t tokens,
     int64_t h, int64_t inter, int64_t top_k, const int64_t* ids, const float* weights,
     float* out, float* xs, float* gate_up, float* act, float* ys) {
-  const auto linear = int8 ? hr_quant_linear_int8 : hr_quant_linear;
-  std::vector<int64_t> start(num_experts + 1, 0), order(tokens * top_k);
-  for (int64_t i = 0; i < tokens * top_k; ++i) ++start[ids[i] + 1];
+  const int64_t pairs = tokens * top_k;
+  std::vector<int64_t> start(num_experts + 1, 0), order(pairs);
+  for (int64_t i = 0; i < pairs; ++i) ++start[ids[i] + 1];
   for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t i = 0; i < tokens * top_k; ++i) order[fill[ids[i]]++] = i;  // stable
+  for (int64_t i = 0; i < pairs; ++i) order[fill[ids[i]]++] = i;  // stable
+  if (pairs <= kSideBySide && omp_get_max_threads() > 1) {
+    std::vector<int64_t> chosen;
+    for (int64_t e = 0; e < num_experts; ++e)
+      if (start[e + 1] > start[e]) chosen.push_back(e);
+    // Each pair's rows at its place in `order`.
+    std::vector<float> xs_all(pairs * h), gate_up_all(pairs * 2 * inter),
+        act_all(pairs * inter), ys_all(pairs * h);
+    const int64_t count = static_cast<int64_t>(chosen.size());
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t e = chosen[c], s0 = start[e];
+      run_expert(table + e * kFields, int8, x, order.data() + s0, start[e + 1] - s0, h, inter,
+                 top_k, xs_all.data() + s0 * h, gate_up_all.data() + s0 * 2 * inter,
+                 act_all.data() + s0 * inter, ys_all.data() + s0 * h);
+    }
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t e = chosen[c], s0 = start[e];
+      add_expert(order.data() + s0, start[e + 1] - s0, h, top_k, weights,
+                 ys_all.data() + s0 * h, out);
+    }
+    return;
+  }
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t n = start[e + 1] - start[e];
     if (n == 0) continue;
     const int64_t* picks = order.data() + start[e];
-    for (int64_t r = 0; r < n; ++r)
-      std::memcpy(xs + r * h, x + picks[r] / top_k * h, h * sizeof(float));
-    const int64_t* expert = table + e * kFields;
-    linear(expert[kGateUpFormat], xs, n, h, weight(expert, kGateUp), 2 * inter, gate_up,
-           nullptr);
-    hr_silu_mul(gate_up, act, n, inter);
-    linear(expert[kDownFormat], act, n, inter, weight(expert, kDown), h, ys, nullptr);
-    for (int64_t r = 0; r < n; ++r) {  // y * w, then added (compute/moe.py's two ops)
-      float* y = ys + r * h;
-      float* o = out + picks[r] / top_k * h;
-      const float w = weights[picks[r]];
-      for (int64_t c = 0; c < h; ++c) y[c] *= w;
-      for (int64_t c = 0; c < h; ++c) o[c] += y[c];
-    }
+    run_expert(table + e * kFields, int8, x, picks, n, h, inter, top_k, xs, gate_up, act, ys);
+    add_expert(picks, n, h, top_k, weights, ys, out);
   }
 }
