@@ -166,12 +166,10 @@ class LlamaModel:
         # Every layer in one kernel call (kernels/cpu/launch.py decoder_layers) when every
         # projection is quantized: bit-identical to the per-op path, ~1.4 ms less Python
         # per step. Tests turn it off to compare the two.
-        # Per-head q/k norms (Qwen3) run between the qkv matmul and RoPE, which that call
-        # fuses, and Gemma's deltas (sandwich norms, GeGLU, soft-caps, two RoPE tables) are
-        # not in it, so such models take the per-op path.
+        # Per-head q/k norms (Qwen3) are in it; Gemma's deltas (sandwich norms, GeGLU,
+        # soft-caps, two RoPE tables) are not, so those models take the per-op path.
         self.fused_layers = (
             native
-            and not config.qk_norm
             and not config.num_experts  # the experts run per op (compute/moe.py)
             and config.hidden_act == "silu"
             and not config.sandwich_norms

@@ -49,7 +49,7 @@ _SIGNATURES = {
 # int8 cache row is head_dim codes and an fp32 scale (kernels/reference.py kv_row_width).
 KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 # Fields per layer of decoder_table (kernels/csrc/cpu/decoder.cpp kLayerFields).
-_LAYER_FIELDS = 21
+_LAYER_FIELDS = 23
 
 
 @functools.cache
@@ -374,7 +374,7 @@ def paged_attention(
 def decoder_table(layers: list, final_norm: Tensor, kv_caches: list) -> Tensor:
     """The int64 table hr_decoder_layers reads: per layer the four projections (weight,
     block format, rows, bias or 0), post-attention norm, next input norm, K and V caches,
-    sliding window (0 = none).
+    sliding window (0 = none), per-head q and k norm weights (0 = none).
 
     ``layers``: compute.model.LayerWeights whose projections are all quantized, in the
     layout their kernel reads (checked here, once per table, not per step)."""
@@ -399,6 +399,12 @@ def decoder_table(layers: list, final_norm: Tensor, kv_caches: list) -> Tensor:
         _check_caches(key_cache, value_cache, (None, None, None, None))
         row += [layer.post_norm.data_ptr(), next_norm.data_ptr()]
         row += [key_cache.data_ptr(), value_cache.data_ptr(), layer.window or 0]
+        if (layer.q_norm is None) != (layer.k_norm is None):
+            raise ValueError("layers: q and k norms come together")
+        for name, t in (("q_norm", layer.q_norm), ("k_norm", layer.k_norm)):
+            if t is not None:
+                _check(name, t, torch.float32, (layer.q_norm.shape[0],))
+        row += [0 if t is None else t.data_ptr() for t in (layer.q_norm, layer.k_norm)]
         table[i] = torch.tensor(row, dtype=torch.int64)
     return table
 

@@ -135,3 +135,29 @@ def test_fused_layers_apply_each_layers_sliding_window(model) -> None:
     full_per_op, full_fused, window_per_op, window_fused = outs
     assert torch.equal(full_per_op, full_fused) and torch.equal(window_per_op, window_fused)
     assert not torch.allclose(full_fused, window_fused)
+
+
+def test_fused_layers_apply_per_head_q_and_k_norms(model) -> None:
+    """Qwen3's RMSNorm of each q and k head before RoPE, in the table: the fused call gives
+    the per-op path's bits, and the norms change the result."""
+    meta, positions, blocks = _step([23, 1, 1], [60, 70, 9])
+    token_ids = torch.randint(0, model.config.vocab_size, (25,), generator=torch.Generator())
+    dim = model.config.head_dim
+    g = torch.Generator().manual_seed(3)
+    outs = []
+    try:
+        for norms in (False, True):
+            for layer in model.layers:
+                layer.q_norm = torch.rand(dim, generator=g) + 0.5 if norms else None
+                layer.k_norm = torch.rand(dim, generator=g) + 0.5 if norms else None
+            model._table = None  # rebuilt with the norms
+            for fused in (False, True):
+                model.fused_layers = fused
+                outs.append(model.forward(token_ids, positions, _caches(model, blocks, 7), meta))
+    finally:
+        for layer in model.layers:
+            layer.q_norm = layer.k_norm = None
+        model._table, model.fused_layers = None, True
+    plain_per_op, plain_fused, normed_per_op, normed_fused = outs
+    assert torch.equal(plain_per_op, plain_fused) and torch.equal(normed_per_op, normed_fused)
+    assert not torch.allclose(plain_fused, normed_fused)

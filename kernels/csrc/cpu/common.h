@@ -161,6 +161,8 @@ HR_EXPORT void hr_rms_norm(const float* x, const float* weight, float* out, int6
 HR_EXPORT void hr_add_rms_norm(const float* x, float* residual, const float* weight, float* out,
                                int64_t n, int64_t h, float eps);
 HR_EXPORT void hr_silu_mul(const float* gate_up, float* out, int64_t n, int64_t inter);
+HR_EXPORT void hr_head_rms_norm(float* x, const float* weight, int64_t n, int64_t row_stride,
+                                int64_t heads, int64_t dim, float eps);
 HR_EXPORT void hr_gelu_tanh_mul(const float* gate_up, float* out, int64_t n, int64_t inter);
 
 // KV cache element types (kernels/cpu.py KV_DTYPE_CODES): the cache holds K and V rounded

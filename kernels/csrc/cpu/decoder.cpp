@@ -5,8 +5,9 @@
 // The layers come as a table of int64, kLayerFields per layer (kernels/cpu/launch.py
 // decoder_table): the four projections (weight pointer, block format, output rows, bias
 // pointer or 0), then the post-attention norm, the next layer's input norm (the final
-// norm after the last layer), the layer's key and value caches, and its sliding window
-// (0 = none).
+// norm after the last layer), the layer's key and value caches, its sliding window
+// (0 = none), and its per-head q and k RMSNorm weights (Qwen3; 0 = none), applied to the
+// fused q|k|v row before RoPE as compute/model.py's _qk_norm does.
 #include "common.h"
 
 namespace {
@@ -14,7 +15,7 @@ namespace {
 enum Field : int64_t {
   kQkv = 0, kO = 4, kGateUp = 8, kDown = 12,  // each: weight, format, rows, bias
   kPostNorm = 16, kNextNorm = 17, kKeyCache = 18, kValueCache = 19, kWindow = 20,
-  kLayerFields = 21,
+  kQNorm = 21, kKNorm = 22, kLayerFields = 23,
 };
 
 template <class T>
@@ -54,6 +55,12 @@ HR_EXPORT void hr_decoder_layers(const int64_t* layers, int64_t num_layers, int6
     void* key_cache = ptr<void>(layer, kKeyCache);
     void* value_cache = ptr<void>(layer, kValueCache);
     project(layer, kQkv, q8, x, tokens, h, qkv);
+    if (layer[kQNorm] != 0) {
+      const int64_t width = (heads + 2 * kv_heads) * dim;
+      hr_head_rms_norm(qkv, ptr<const float>(layer, kQNorm), tokens, width, heads, dim, eps);
+      hr_head_rms_norm(qkv + heads * dim, ptr<const float>(layer, kKNorm), tokens, width,
+                       kv_heads, dim, eps);
+    }
     hr_rope_and_cache(qkv, positions, cos, sin, slot_mapping, tokens, heads, kv_heads, dim, q,
                       key_cache, value_cache, kv_dtype);
     hr_paged_attention(q, key_cache, value_cache, block_tables, context_lens, query_start,
