@@ -166,15 +166,13 @@ class LlamaModel:
         # Every layer in one kernel call (kernels/cpu/launch.py decoder_layers) when every
         # projection is quantized: bit-identical to the per-op path, ~1.4 ms less Python
         # per step. Tests turn it off to compare the two.
-        # Per-head q/k norms (Qwen3) are in it; Gemma's deltas (sandwich norms, GeGLU,
-        # soft-caps, two RoPE tables) are not, so those models take the per-op path.
+        # Per-head q/k norms (Qwen3, Gemma 3) and Gemma's deltas (output norms, GeGLU, the
+        # attention soft-cap, the sliding layers' RoPE tables) are in it; mixture-of-experts
+        # layers are not.
         self.fused_layers = (
             native
             and not config.num_experts  # the experts run per op (compute/moe.py)
-            and config.hidden_act == "silu"
-            and not config.sandwich_norms
-            and config.attn_logit_softcap is None
-            and self.local_rope is None
+            and config.hidden_act in ("silu", "gelu_tanh")
             and all(
                 p.quantized is not None
                 for layer in self.layers
@@ -224,7 +222,13 @@ class LlamaModel:
         """decoder_layers' table, rebuilt only when the caches are other tensors."""
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._table is None or self._table[0] != key:
-            self._table = (key, cpu.decoder_table(self.layers, self.norm, kv_caches))
+            cfg, local = self.config, self.local_rope
+            table = cpu.decoder_table(
+                self.layers, self.norm, kv_caches, gelu=cfg.hidden_act == "gelu_tanh",
+                softcap=cfg.attn_logit_softcap,
+                local_rope=None if local is None else (local.cos, local.sin),
+            )  # fmt: skip
+            self._table = (key, table)
         return self._table[1]
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 
 import torch
 from torch import Tensor
@@ -49,7 +50,7 @@ _SIGNATURES = {
 # int8 cache row is head_dim codes and an fp32 scale (kernels/reference.py kv_row_width).
 KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 # Fields per layer of decoder_table (kernels/csrc/cpu/decoder.cpp kLayerFields).
-_LAYER_FIELDS = 23
+_LAYER_FIELDS = 29
 
 
 @functools.cache
@@ -371,10 +372,20 @@ def paged_attention(
     return out
 
 
-def decoder_table(layers: list, final_norm: Tensor, kv_caches: list) -> Tensor:
+def decoder_table(
+    layers: list,
+    final_norm: Tensor,
+    kv_caches: list,
+    gelu: bool = False,
+    softcap: float | None = None,
+    local_rope: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """The int64 table hr_decoder_layers reads: per layer the four projections (weight,
     block format, rows, bias or 0), post-attention norm, next input norm, K and V caches,
-    sliding window (0 = none), per-head q and k norm weights (0 = none).
+    sliding window (0 = none), per-head q and k norm weights (0 = none), then Gemma's
+    deltas: attention- and MLP-output norms (0 = none), tanh-GELU (else SiLU), the
+    attention soft-cap's float bits (0 = none), and the RoPE (cos, sin) of the layers
+    marked ``local_rope`` (Gemma 3's sliding layers; 0 = the call's tables).
 
     ``layers``: compute.model.LayerWeights whose projections are all quantized, in the
     layout their kernel reads (checked here, once per table, not per step)."""
@@ -405,6 +416,22 @@ def decoder_table(layers: list, final_norm: Tensor, kv_caches: list) -> Tensor:
             if t is not None:
                 _check(name, t, torch.float32, (layer.q_norm.shape[0],))
         row += [0 if t is None else t.data_ptr() for t in (layer.q_norm, layer.k_norm)]
+        for name, t in (("attn_out_norm", layer.attn_out_norm),
+                        ("mlp_out_norm", layer.mlp_out_norm)):  # fmt: skip
+            if t is not None:
+                _check(name, t, torch.float32, (layer.qkv.quantized.cols,))
+            row.append(0 if t is None else t.data_ptr())
+        cap_bits = int.from_bytes(struct.pack("<f", softcap), "little") if softcap else 0
+        row += [int(gelu), cap_bits]
+        if layer.local_rope:
+            if local_rope is None:
+                raise ValueError("local_rope: a layer uses its own RoPE tables; pass them")
+            cos, sin = local_rope
+            _check("local cos", cos, torch.float32, (None, None))
+            _check("local sin", sin, torch.float32, cos.shape)
+            row += [cos.data_ptr(), sin.data_ptr()]
+        else:
+            row += [0, 0]
         table[i] = torch.tensor(row, dtype=torch.int64)
     return table
 

@@ -161,3 +161,47 @@ def test_fused_layers_apply_per_head_q_and_k_norms(model) -> None:
     plain_per_op, plain_fused, normed_per_op, normed_fused = outs
     assert torch.equal(plain_per_op, plain_fused) and torch.equal(normed_per_op, normed_fused)
     assert not torch.allclose(plain_fused, normed_fused)
+
+
+def test_fused_layers_apply_gemmas_deltas(model) -> None:
+    """Gemma 2/3's deltas in the table: norms of the attention and MLP outputs, tanh-GELU,
+    the attention soft-cap and the sliding layers' own RoPE tables. The fused call gives the
+    per-op path's bits, and the deltas change the result."""
+    import dataclasses
+
+    from compute import rope
+    from compute.model import RotaryEmbedding
+
+    meta, positions, blocks = _step([23, 1, 1], [60, 70, 9])
+    token_ids = torch.randint(0, model.config.vocab_size, (25,), generator=torch.Generator())
+    config, h = model.config, model.config.hidden_size
+    g = torch.Generator().manual_seed(4)
+    outs = []
+    try:
+        for gemma in (False, True):
+            if gemma:
+                model.config = dataclasses.replace(
+                    config, hidden_act="gelu_tanh", attn_logit_softcap=5.0
+                )
+                model.local_rope = RotaryEmbedding(
+                    rope.default_inv_freq(config.head_dim, 10_000.0),
+                    config.max_position_embeddings, model.device, model.dtype,
+                )  # fmt: skip
+            for i, layer in enumerate(model.layers):
+                layer.attn_out_norm = torch.rand(h, generator=g) + 0.5 if gemma else None
+                layer.mlp_out_norm = torch.rand(h, generator=g) + 0.5 if gemma else None
+                layer.local_rope = gemma and i % 2 == 0
+                layer.window = 16 if gemma and i % 2 == 0 else None
+            model._table = None  # rebuilt with the deltas
+            for fused in (False, True):
+                model.fused_layers = fused
+                outs.append(model.forward(token_ids, positions, _caches(model, blocks, 7), meta))
+    finally:
+        model.config, model.local_rope = config, None
+        for layer in model.layers:
+            layer.attn_out_norm = layer.mlp_out_norm = layer.window = None
+            layer.local_rope = False
+        model._table, model.fused_layers = None, True
+    plain_per_op, plain_fused, gemma_per_op, gemma_fused = outs
+    assert torch.equal(plain_per_op, plain_fused) and torch.equal(gemma_per_op, gemma_fused)
+    assert not torch.allclose(plain_fused, gemma_fused)

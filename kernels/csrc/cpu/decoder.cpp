@@ -6,8 +6,13 @@
 // decoder_table): the four projections (weight pointer, block format, output rows, bias
 // pointer or 0), then the post-attention norm, the next layer's input norm (the final
 // norm after the last layer), the layer's key and value caches, its sliding window
-// (0 = none), and its per-head q and k RMSNorm weights (Qwen3; 0 = none), applied to the
-// fused q|k|v row before RoPE as compute/model.py's _qk_norm does.
+// (0 = none), its per-head q and k RMSNorm weights (Qwen3, Gemma 3; 0 = none), applied to
+// the fused q|k|v row before RoPE as compute/model.py's _qk_norm does, and Gemma's deltas:
+// the RMSNorms of the attention and MLP outputs before each residual add (0 = none), the
+// MLP's activation (0 SiLU, 1 tanh GELU), the attention soft-cap (a float's bits; 0 =
+// none) and the layer's own RoPE tables (Gemma 3's sliding layers; 0 = the call's).
+#include <cstring>
+
 #include "common.h"
 
 namespace {
@@ -15,7 +20,8 @@ namespace {
 enum Field : int64_t {
   kQkv = 0, kO = 4, kGateUp = 8, kDown = 12,  // each: weight, format, rows, bias
   kPostNorm = 16, kNextNorm = 17, kKeyCache = 18, kValueCache = 19, kWindow = 20,
-  kQNorm = 21, kKNorm = 22, kLayerFields = 23,
+  kQNorm = 21, kKNorm = 22, kAttnOutNorm = 23, kMlpOutNorm = 24, kGelu = 25, kSoftcap = 26,
+  kCos = 27, kSin = 28, kLayerFields = 29,
 };
 
 template <class T>
@@ -29,6 +35,21 @@ inline void project(const int64_t* layer, int64_t p, bool int8, const float* x, 
   const auto fn = int8 ? hr_quant_linear_int8 : hr_quant_linear;
   fn(layer[p + 1], x, n, k, ptr<const uint8_t>(layer, p), layer[p + 2], out,
      ptr<const float>(layer, p + 3));
+}
+
+// The float whose bits a table field holds in its low 32 bits.
+inline float float_field(const int64_t* layer, int64_t field) {
+  const uint32_t bits = static_cast<uint32_t>(layer[field]);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// In place: y = rms_norm(y) * weight when the layer has that norm (rms_row reads a row
+// whole before it writes it).
+inline void out_norm(const int64_t* layer, int64_t field, float* y, int64_t tokens, int64_t h,
+                     float eps) {
+  if (layer[field] != 0) hr_rms_norm(y, ptr<const float>(layer, field), y, tokens, h, eps);
 }
 
 }  // namespace
@@ -61,16 +82,20 @@ HR_EXPORT void hr_decoder_layers(const int64_t* layers, int64_t num_layers, int6
       hr_head_rms_norm(qkv + heads * dim, ptr<const float>(layer, kKNorm), tokens, width,
                        kv_heads, dim, eps);
     }
-    hr_rope_and_cache(qkv, positions, cos, sin, slot_mapping, tokens, heads, kv_heads, dim, q,
-                      key_cache, value_cache, kv_dtype);
+    const bool own_rope = layer[kCos] != 0;
+    hr_rope_and_cache(qkv, positions, own_rope ? ptr<const float>(layer, kCos) : cos,
+                      own_rope ? ptr<const float>(layer, kSin) : sin, slot_mapping, tokens,
+                      heads, kv_heads, dim, q, key_cache, value_cache, kv_dtype);
     hr_paged_attention(q, key_cache, value_cache, block_tables, context_lens, query_start,
                        num_seqs, heads, kv_heads, dim, block_size, table_width, scale, attn,
-                       kv_dtype, layer[kWindow], 0.0f);
+                       kv_dtype, layer[kWindow], float_field(layer, kSoftcap));
     project(layer, kO, q8, attn, tokens, heads * dim, tmp);
+    out_norm(layer, kAttnOutNorm, tmp, tokens, h, eps);
     hr_add_rms_norm(tmp, hidden, ptr<const float>(layer, kPostNorm), x, tokens, h, eps);
     project(layer, kGateUp, q8, x, tokens, h, gate_up);
-    hr_silu_mul(gate_up, act, tokens, inter);
+    (layer[kGelu] ? hr_gelu_tanh_mul : hr_silu_mul)(gate_up, act, tokens, inter);
     project(layer, kDown, q8, act, tokens, inter, tmp);
+    out_norm(layer, kMlpOutNorm, tmp, tokens, h, eps);
     hr_add_rms_norm(tmp, hidden, ptr<const float>(layer, kNextNorm), x, tokens, h, eps);
   }
 }
