@@ -373,17 +373,9 @@ def _qk(data: torch.Tensor, rows: int, high_bits: bool) -> torch.Tensor:
 
 
 def _q6k(data: torch.Tensor, rows: int) -> torch.Tensor:
-    raw = data.reshape(rows, -1, 210)
-    b = raw.int()
-    ql = b[..., :128].reshape(rows, -1, 2, 1, 64)
-    low = torch.cat([ql & 15, ql >> 4], dim=3).reshape(rows, -1, 8, 32)
-    qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
-    high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).reshape(4, 1)) & 3).reshape(
-        rows, -1, 8, 32
-    )
-    q = ((low | high << 4) - 32).float().reshape(rows, -1, 16, 16)
-    scales = raw[..., 192:208].contiguous().view(torch.int8).float()
-    scale = (_halves(raw[..., 208:210]) * scales).unsqueeze(-1)
+    codes, sc, d = _q6k_fields(data, rows)
+    q = (codes.int() - 32).float().reshape(rows, -1, 16, 16)
+    scale = (d.float().unsqueeze(-1) * sc.float()).unsqueeze(-1)
     return scale * q
 
 
@@ -415,7 +407,7 @@ def _iq4xs(data: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _q6k_fields(data: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
     """Q6_K's codes [rows, nsb, 256] (uint8 0..63, in value order), int8 sub-block scales
-    [rows, nsb, 16] and fp16 d [rows, nsb], as _q6k reads them."""
+    [rows, nsb, 16] and fp16 d [rows, nsb] (what _q6k dequantizes and the int8 tiles hold)."""
     raw = data.reshape(rows, -1, 210)
     b = raw.int()
     ql = b[..., :128].reshape(rows, -1, 2, 1, 64)
