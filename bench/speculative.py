@@ -52,8 +52,15 @@ FREE_ASKS = [
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     p.add_argument("--ks", default="2,4,6", help="comma list of draft lengths K to measure")
-    p.add_argument("--ngram-min", type=int, default=2, help="--speculative-ngram-min")
-    p.add_argument("--ngram-max", type=int, default=4, help="--speculative-ngram-max")
+    from compute.core.config import SpeculativeConfig
+
+    engine = SpeculativeConfig()  # the serve defaults
+    p.add_argument(
+        "--ngram-min", type=int, default=engine.ngram_min, help="--speculative-ngram-min"
+    )
+    p.add_argument(
+        "--ngram-max", type=int, default=engine.ngram_max, help="--speculative-ngram-max"
+    )
     p.add_argument("--max-batch", type=int, default=8, help="--speculative-max-batch")
     p.add_argument("--new-tokens", type=int, default=96, help="max tokens per request")
     p.add_argument("--concurrent", type=int, default=48, help="requests of the mixed workload")

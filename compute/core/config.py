@@ -280,8 +280,9 @@ class SpeculativeConfig:
 
     "ngram" (prompt lookup): the longest recent earlier occurrence of the sequence's last
     n tokens (n from ngram_max down to ngram_min, in prompt + output) proposes the up to
-    num_tokens tokens that followed it; the step scores the sequence's last token and the
-    draft together, and the sampler keeps the longest prefix the model agrees with plus
+    num_tokens tokens that followed it, at most 2n - 1 of them (a one-token match risks
+    one draft token, a longer one the whole draft: compute/core/ngram.py); the step scores
+    the sequence's last token and the draft together, and the sampler keeps the longest prefix the model agrees with plus
     one token of its own (compute/core/ngram.py, compute/sampler.py). Output is the same
     as without it (greedy: token for token; sampling: in distribution). Drafts are only
     made while at most max_batch sequences run, never for requests with penalties, and
@@ -290,8 +291,8 @@ class SpeculativeConfig:
 
     method: str = "none"  # "none" or "ngram"
     num_tokens: int = 4  # K: draft tokens per step and sequence
-    ngram_min: int = 2  # shortest suffix match that makes a draft
-    ngram_max: int = 4  # longest suffix match tried (first)
+    ngram_min: int = 1  # shortest suffix match that makes a draft
+    ngram_max: int = 5  # longest suffix match tried (first)
     max_batch: int = 8  # no drafts in a step while more sequences than this run
 
     def __post_init__(self) -> None:

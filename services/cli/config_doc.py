@@ -104,7 +104,8 @@ first.
     "speculative": """\
 `--speculative-method ngram` drafts up to `--num-speculative-tokens` tokens per decoding
 sequence from the latest earlier match of its last n tokens (n from
-`--speculative-ngram-max` down to `--speculative-ngram-min`) and verifies them in one step:
+`--speculative-ngram-max` down to `--speculative-ngram-min`), at most 2n - 1 of them (one
+token after a one-token match, the whole draft after three), and verifies them in one step:
 the same greedy tokens and the same sampling distribution as without it. No drafts while
 more than `--speculative-max-batch` sequences run. It needs synchronous output (see
 [architecture](architecture.md)).

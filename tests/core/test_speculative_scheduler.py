@@ -10,7 +10,7 @@ import pytest
 
 from compute.core.config import SpeculativeConfig
 from compute.core.messages import FinishReason
-from compute.core.ngram import propose_ngram
+from compute.core.ngram import max_draft, propose_ngram
 from compute.core.sequence import SequenceStatus
 from tests.core.test_scheduler import EOS, Harness
 
@@ -24,7 +24,7 @@ def test_ngram_longest_match_wins_over_a_later_shorter_one():
     tokens = [1, 2, 3, 7, 8, 9, 5, 3, 6, 0, 2, 3]
     # suffix [2, 3] occurs at 1..2 (then 7, 8, 9); [3] alone last at 7 (then 6, 0, ...)
     assert propose_ngram(tokens, 3, 1, 3) == [7, 8, 9]
-    assert propose_ngram(tokens, 3, 1, 1) == [6, 0, 2]  # only 1-grams: the latest
+    assert propose_ngram(tokens, 3, 1, 1) == [6]  # only 1-grams: the latest, one token
     assert propose_ngram(tokens, 3, 3, 3) == []  # [1, 2, 3] != [0, 2, 3]
 
 
@@ -32,7 +32,18 @@ def test_ngram_latest_of_equal_matches_and_draft_length():
     tokens = [4, 5, 1, 4, 5, 2, 4, 5]
     assert propose_ngram(tokens, 2, 2, 2) == [2, 4]  # latest [4, 5] is at 3..4
     assert propose_ngram(tokens, 10, 2, 2) == [2, 4, 5]  # up to the end of the sequence
+    assert propose_ngram(tokens, 10, 3, 3) == []
     assert propose_ngram(tokens, 0, 1, 2) == []
+
+
+def test_ngram_draft_grows_with_the_match():
+    # A match of n tokens drafts at most 2n - 1: 1, 3, 5, ...
+    tokens = [9, 1, 2, 3, 4, 5, 6, 7, 8, 0, 9, 1, 2]
+    assert propose_ngram(tokens, 8, 1, 1) == [3]
+    assert propose_ngram(tokens, 8, 1, 2) == [3, 4, 5]
+    assert propose_ngram(tokens, 8, 1, 3) == [3, 4, 5, 6, 7]
+    assert propose_ngram(tokens, 2, 1, 3) == [3, 4]  # and never more than asked
+    assert [max_draft(n) for n in (1, 2, 3, 4)] == [1, 3, 5, 7]
 
 
 def test_ngram_no_match_short_or_empty():
@@ -61,7 +72,7 @@ def _brute(tokens, k, lo, hi):
         suffix = tokens[n - size :]
         for start in range(n - size - 1, -1, -1):
             if tokens[start : start + size] == suffix:
-                return tokens[start + size : start + size + k]
+                return tokens[start + size : start + size + min(k, 2 * size - 1)]
     return []
 
 

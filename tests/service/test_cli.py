@@ -122,10 +122,11 @@ def test_invalid_config_values_exit_2(capsys) -> None:
 
 def test_speculative_flags_and_env_twins(capsys) -> None:
     environ = {"HEADRACE_SPECULATIVE_METHOD": "ngram", "HEADRACE_SPECULATIVE_MAX_BATCH": "4"}
-    argv = ["serve", "--num-speculative-tokens", "3", "--speculative-ngram-min", "1"]
+    argv = ["serve", "--num-speculative-tokens", "3", "--speculative-ngram-min", "2"]
     spec = _parse(argv, environ).engine.speculative
-    assert spec == SpeculativeConfig(method="ngram", num_tokens=3, ngram_min=1, max_batch=4)
-    assert cli.main(["serve", "--speculative-ngram-min", "5"]) == 2
+    assert spec == SpeculativeConfig(method="ngram", num_tokens=3, ngram_min=2, max_batch=4)
+    max_n = SpeculativeConfig().ngram_max
+    assert cli.main(["serve", "--speculative-ngram-min", str(max_n + 1)]) == 2
     assert "1 <= min <= max" in capsys.readouterr().err
 
 
