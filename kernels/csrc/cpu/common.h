@@ -165,6 +165,21 @@ HR_EXPORT void hr_head_rms_norm(float* x, const float* weight, int64_t n, int64_
                                 int64_t heads, int64_t dim, float eps);
 HR_EXPORT void hr_gelu_tanh_mul(const float* gate_up, float* out, int64_t n, int64_t inter);
 
+// A stack of weights of different formats (fused q|k|v of a Q4_K_M file: Q6_K v rows
+// beside Q4_K q and k): w is int64 [parts, then per part format, weight, rows]. Calls
+// run(format, weight, rows, column offset) for each part in order, so that each part fills
+// its own columns of the output (the same sums as if it ran alone).
+template <class Run>
+static inline void for_each_part(const uint8_t* w, Run run) {
+  const int64_t* table = reinterpret_cast<const int64_t*>(w);
+  int64_t r = 0;
+  for (int64_t i = 0; i < table[0]; ++i) {
+    const int64_t* part = table + 1 + 3 * i;
+    run(part[0], reinterpret_cast<const uint8_t*>(static_cast<intptr_t>(part[1])), part[2], r);
+    r += part[2];
+  }
+}
+
 // KV cache element types (kernels/cpu.py KV_DTYPE_CODES): the cache holds K and V rounded
 // once to this type when written; every read widens them back to fp32 (exactly), so the
 // attention arithmetic after the read is the same whatever the type.

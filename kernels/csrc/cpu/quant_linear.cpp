@@ -462,17 +462,9 @@ void linear_of(int64_t format, const float* x, int64_t n, int64_t k, const uint8
 HR_EXPORT void hr_quant_linear(int64_t format, const float* x, int64_t n, int64_t k,
                                const uint8_t* w, int64_t m, float* out, const float* bias) {
   if (format != kStacked) return linear_of(format, x, n, k, w, m, out, m, bias);
-  // A stack of weights of different formats (fused q|k|v of a Q4_K_M file: Q6_K v rows
-  // beside Q4_K q and k): w is int64 [parts, then per part format, weight, rows]; each part
-  // fills its own columns of out (the same sums as if it ran alone).
-  const int64_t* table = reinterpret_cast<const int64_t*>(w);
-  int64_t r = 0;
-  for (int64_t i = 0; i < table[0]; ++i) {
-    const int64_t* part = table + 1 + 3 * i;
-    const auto* weight = reinterpret_cast<const uint8_t*>(static_cast<intptr_t>(part[1]));
-    linear_of(part[0], x, n, k, weight, part[2], out + r, m, bias ? bias + r : nullptr);
-    r += part[2];
-  }
+  for_each_part(w, [&](int64_t f, const uint8_t* weight, int64_t rows, int64_t r) {
+    linear_of(f, x, n, k, weight, rows, out + r, m, bias ? bias + r : nullptr);
+  });
 }
 
 // out[i, :] = W[rows[i], :] in fp32 (rows == nullptr: rows 0..count-1), bit-exact.

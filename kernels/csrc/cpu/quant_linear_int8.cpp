@@ -474,17 +474,10 @@ HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, i
   QuantizedRows xr;
   quantize_rows(x, n, k, xr);
   if (format != 8) return linear_of(format, xr, n, k, w, m, out, m, bias);
-  // A stack of tiled weights of different formats (fused q|k|v of a Q4_K_M file: Q8_0 v
-  // rows beside Q5_0 q and k): w is int64 [parts, then per part format, weight, rows], as
-  // hr_quant_linear's; each part fills its own columns of out (the same sums as alone).
-  const int64_t* table = reinterpret_cast<const int64_t*>(w);
-  int64_t r = 0;
-  for (int64_t i = 0; i < table[0]; ++i) {
-    const int64_t* part = table + 1 + 3 * i;
-    const auto* weight = reinterpret_cast<const uint8_t*>(static_cast<intptr_t>(part[1]));
-    linear_of(part[0], xr, n, k, weight, part[2], out + r, m, bias ? bias + r : nullptr);
-    r += part[2];
-  }
+  // A stack of tiled parts (Q8_0 v rows beside Q5_0 q and k), as hr_quant_linear's.
+  for_each_part(w, [&](int64_t f, const uint8_t* weight, int64_t rows, int64_t r) {
+    linear_of(f, xr, n, k, weight, rows, out + r, m, bias ? bias + r : nullptr);
+  });
 }
 
 // out[i, :] = W[rows[i], :] in fp32 for W in the tiled layout (rows == nullptr: all).
