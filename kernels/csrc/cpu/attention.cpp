@@ -79,11 +79,10 @@ inline v16f finish_scores(v16f dots, const Shape& s, float scale) {
   return s.softcap > 0.0f ? softcap16(sv, s.softcap) : sv;
 }
 
-// kt[d * 16 + i] = rows[i][c + d] for d < 16: one 16 x 16 block of a chunk's transpose.
-inline void transpose16(const float* const* rows, int64_t c, float* kt) {
 #ifdef __AVX512F__
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + c);
+// kt[d * 16 + i] = r[i][d]: 16 rows of 16 values, transposed in registers.
+inline void transpose16_regs(__m512 (&r)[16], float* kt) {
+  __m512 t[16];
   for (int i = 0; i < 16; i += 2) {  // pairs of rows, 32-bit interleaved
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -107,9 +106,36 @@ inline void transpose16(const float* const* rows, int64_t c, float* kt) {
     _mm512_storeu_ps(kt + 16 * (j + 4), _mm512_shuffle_f32x4(hi0, hi1, 0x88));
     _mm512_storeu_ps(kt + 16 * (j + 12), _mm512_shuffle_f32x4(hi0, hi1, 0xdd));
   }
+}
+#endif
+
+// kt[d * 16 + i] = rows[i][c + d] for d < 16: one 16 x 16 block of a chunk's transpose.
+inline void transpose16(const float* const* rows, int64_t c, float* kt) {
+#ifdef __AVX512F__
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + c);
+  transpose16_regs(r, kt);
 #else
   for (int i = 0; i < 16; ++i)
     for (int d = 0; d < 16; ++d) kt[d * 16 + i] = rows[i][c + d];
+#endif
+}
+
+// transpose16 of int8 rows widened on the way (code * scale, kv_widen's values): the
+// widened K rows of a chunk never go through memory.
+inline void transpose16_i8(const int8_t* const* rows, const float* scales, int64_t c,
+                           float* kt) {
+#ifdef __AVX512F__
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) {
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + c));
+    r[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)),
+                         _mm512_set1_ps(scales[i]));
+  }
+  transpose16_regs(r, kt);
+#else
+  for (int i = 0; i < 16; ++i)
+    for (int d = 0; d < 16; ++d) kt[d * 16 + i] = static_cast<float>(rows[i][c + d]) * scales[i];
 #endif
 }
 
@@ -189,6 +215,9 @@ struct Chunk {
   const float* k[kChunk];
   const float* v[kChunk];
   int64_t n;
+  bool k_codes;  // int8 K left as codes (kq, ks) for transpose16_i8; k unset
+  const int8_t* kq[kChunk];
+  float ks[kChunk];
 };
 
 // The chunk's rows as fp32 (keys before `last`), and a prefetch of a later chunk's (up to
@@ -198,7 +227,8 @@ struct Chunk {
 // arithmetic that follows is the fp32 kernel's on the rounded values).
 inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* table,
                        const Shape& s, int64_t kv_head, int64_t t0, int64_t last,
-                       int64_t prefetch_end, Chunk& ch, Scratch& sc) {
+                       int64_t prefetch_end, Chunk& ch, Scratch& sc,
+                       bool k_codes = false) {
   const int64_t row_bytes = kv_row_bytes(s.kv_dtype, s.dim);
   const int64_t slot_bytes = s.kv_heads * row_bytes;
   auto at = [&](int64_t pos) {
@@ -208,6 +238,7 @@ inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* tabl
   // Blocks of a multiple of kChunk slots hold whole chunks (t0 is a multiple of kChunk): one
   // table lookup per chunk, the keys' rows slot_bytes apart; else one per key.
   const bool whole = s.block_size % kChunk == 0;
+  ch.k_codes = false;
   auto offset_of = [&](int64_t base, int64_t t, int64_t i) {
     return whole ? base + i * slot_bytes : at(t + i);
   };
@@ -220,16 +251,22 @@ inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* tabl
       ch.v[i] = reinterpret_cast<const float*>(vc + offset);
     }
   } else {
+    ch.k_codes = k_codes && s.kv_dtype == kKvI8;
     sc.kw.resize(kChunk * s.dim);
     sc.vw.resize(kChunk * s.dim);
     for (int64_t i = 0; i < ch.n; ++i) {
       const int64_t offset = offset_of(base, t0, i);
-      float* k = sc.kw.data() + i * s.dim;
       float* v = sc.vw.data() + i * s.dim;
-      kv_widen(kc + offset, s.kv_dtype, s.dim, k);
       kv_widen(vc + offset, s.kv_dtype, s.dim, v);
-      ch.k[i] = k;
       ch.v[i] = v;
+      if (ch.k_codes) {
+        ch.kq[i] = reinterpret_cast<const int8_t*>(kc + offset);
+        std::memcpy(&ch.ks[i], kc + offset + s.dim, 4);
+      } else {
+        float* k = sc.kw.data() + i * s.dim;
+        kv_widen(kc + offset, s.kv_dtype, s.dim, k);
+        ch.k[i] = k;
+      }
     }
   }
   // The chunk kAheadChunks ahead into L2 (prefetches into L1 hold the core's few miss
@@ -300,9 +337,18 @@ void attend_rows(const Row* rows, int64_t n_rows, const Source& src, int64_t t_b
   sc.zeros.assign(dim, 0.0f);
   Chunk ch;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kChunk) {
-    chunk_rows(src.kc, src.vc, src.table, s, src.kv_head, t0, t_end, prefetch_end, ch, sc);
-    for (int64_t i = ch.n; i < kChunk; ++i) ch.k[i] = sc.zeros.data();  // never past the context
-    for (int64_t d = 0; d < dim; d += 16) transpose16(ch.k, d, sc.kt.data() + 16 * d);
+    chunk_rows(src.kc, src.vc, src.table, s, src.kv_head, t0, t_end, prefetch_end, ch, sc,
+               true);
+    if (ch.k_codes) {
+      for (int64_t i = ch.n; i < kChunk; ++i) {  // never past the context: zero codes
+        ch.kq[i] = reinterpret_cast<const int8_t*>(sc.zeros.data());
+        ch.ks[i] = 0.0f;
+      }
+      for (int64_t d = 0; d < dim; d += 16) transpose16_i8(ch.kq, ch.ks, d, sc.kt.data() + 16 * d);
+    } else {
+      for (int64_t i = ch.n; i < kChunk; ++i) ch.k[i] = sc.zeros.data();  // never past the context
+      for (int64_t d = 0; d < dim; d += 16) transpose16(ch.k, d, sc.kt.data() + 16 * d);
+    }
     for (int64_t r0 = 0; r0 < n_rows; r0 += 8) {
       const int nr = static_cast<int>(std::min<int64_t>(8, n_rows - r0));
       const float* q[8];

@@ -204,7 +204,15 @@ static inline void kv_widen(const void* src, int64_t kv_dtype, int64_t n, float*
     const int8_t* codes = static_cast<const int8_t*>(src);
     float d;
     std::memcpy(&d, codes + n, 4);
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(codes[i]) * d;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 dv = _mm512_set1_ps(d);  // 16 codes: one sign extension, one conversion
+    for (; i + 16 <= n; i += 16) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+      _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), dv));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<float>(codes[i]) * d;
   } else if (kv_dtype == kKvF32) {
     std::memcpy(dst, src, n * sizeof(float));
   } else if (kv_dtype == kKvF16) {
