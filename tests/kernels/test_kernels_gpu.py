@@ -626,7 +626,10 @@ def test_high_block_ids_emulated(emulated, monkeypatch):
 def test_emulator_catches_a_missing_barrier(emulator, emulated, tmp_path, monkeypatch):
     """The emulation is only worth its keep if it fails a racy kernel: drop a __syncthreads."""
     source = (cuda.CSRC / "paged_attention_decode.cu").read_text()
-    barrier = "  score_keys<T, D, B>(sm, w, key_cache, table, num_kv_heads);\n  __syncthreads();\n"
+    barrier = (
+        "  score_keys<T, D, B>(sm, w, key_cache, table, num_kv_heads, softcap_log2);\n"
+        "  __syncthreads();\n"
+    )
     assert barrier in source
     racy = tmp_path / "racy_decode.cu"
     racy.write_text(source.replace(barrier, barrier.replace("  __syncthreads();\n", "")))
