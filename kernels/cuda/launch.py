@@ -303,18 +303,10 @@ def _score_args(
     )
 
 
-def decode_grid_partitions(p: AttentionPlan, window: int) -> int:
-    """grid.z of the decode kernel: the plan's partitions, or with a window (> 0) the most
-    partitions a window of that many keys can touch, whatever its alignment."""
-    if window <= 0:
-        return p.decode_partitions
-    return min(p.decode_partitions, _cdiv(window - 1, p.decode_partition_size) + 1)
-
-
 def _launch_decode(out, query, key_cache, value_cache, meta, scores, p: AttentionPlan):
     """Decode kernel over every sequence (it serves those with query_len 1), then the merge."""
     window = int(scores[2])
-    parts, size = decode_grid_partitions(p, window), p.decode_partition_size
+    parts, size = p.decode_partitions_within(window), p.decode_partition_size
     ws_out = ws_max = ws_sum = None  # one partition each: the kernel writes `out` directly
     if parts > 1:
         ws_shape = (meta.num_seqs, p.num_heads, parts)

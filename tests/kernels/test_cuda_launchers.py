@@ -405,6 +405,22 @@ def test_decode_grid_covers_only_what_a_window_reaches(launches, monkeypatch, wi
     assert len(launches) == (2 if parts > 1 else 1)
 
 
+@pytest.mark.parametrize("size", [64, 512])
+def test_the_window_grid_holds_every_partition_the_kernel_runs(size):
+    """The decode kernel runs, for a context ctx, the partitions from the one holding key
+    ctx - window to the last (paged_attention_decode.cu, decode_work): never more than the
+    grid the plan gives a window, whatever the context."""
+    plan = attention_plan.AttentionPlan(
+        num_heads=2, num_kv_heads=1, head_dim=64, block_size=16, table_width=1,
+        dtype_suffix="f16", covered=True, decode_partition_size=size,
+        decode_partitions=math.ceil(3000 / size), prefill_longest=0,
+    )  # fmt: skip
+    for window in [*range(1, 2 * size + 3), 1000, 2999, 3000, 5000]:
+        grid = plan.decode_partitions_within(window)
+        runs = [math.ceil(c / size) - max(0, c - window) // size for c in range(1, 3001)]
+        assert max(runs) == grid  # enough, and not one more than some context needs
+
+
 def test_no_window_and_no_softcap_pass_zeros(launches):
     inputs = attention_inputs(seqs=((1, 40), (5, 40)))
     _windowed(inputs)
