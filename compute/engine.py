@@ -125,12 +125,7 @@ class Engine:
         cfg = loaded.config
         self.model_config = cfg
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = _max_model_len(config.scheduler.max_model_len, cfg, device)
-        if device.type == "cuda" and cfg.attn_logit_softcap is not None:
-            raise ValueError(
-                f"model: attn_logit_softcapping ({cfg.attn_logit_softcap}) is not applied by "
-                "the CUDA attention kernels; serve this model on the CPU (--device cpu)"
-            )
+        self.max_model_len = _max_model_len(config.scheduler.max_model_len, cfg)
         ops.check_backend(
             device,
             dtype,
@@ -438,19 +433,8 @@ def _async_output(config: EngineConfig, device: torch.device) -> bool:
     return device.type == "cuda" if wanted is None else wanted
 
 
-def _max_model_len(asked: int | None, model: ModelConfig, device: torch.device) -> int:
-    """--max-model-len, or the model's context. The CPU paths (kernels and torch) mask the
-    sliding window; the CUDA kernels do not, so there a windowed model is served within its
-    window, where a sequence no longer than it sees exactly what the model would."""
+def _max_model_len(asked: int | None, model: ModelConfig) -> int:
+    """--max-model-len, or the model's context: every attention path (CPU kernels, torch
+    reference, CUDA kernels) masks the sliding window, so a windowed model gets it whole."""
     limit = model.max_position_embeddings
-    window = model.sliding_window
-    if device.type == "cuda" and window is not None and window < limit:
-        if asked is not None and asked > window:
-            raise ValueError(
-                f"max_model_len: {asked} is longer than the model's sliding_window ({window}), "
-                f"which the CUDA kernels do not apply; use --max-model-len {window} or less"
-            )
-        if asked is None:
-            log.info("max_model_len capped at the sliding window", sliding_window=window)
-        limit = window
     return min(asked or limit, limit)

@@ -48,12 +48,10 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the flat batch's queries [T, Hq, D] over their sequences' caches; a
-    ``window`` / ``softcap`` as kernels/reference.py applies them (the CUDA kernels have
-    neither: the engine refuses such a model there, check_backend)."""
+    ``window`` / ``softcap`` as kernels/reference.py applies them (the CUDA kernels take
+    both as kernel arguments)."""
     if query.is_cuda:
-        if window is not None or softcap is not None:
-            raise ValueError("the CUDA attention kernels mask no sliding window, cap no logits")
-        return cuda.paged_attention(query, key_cache, value_cache, meta, scale)
+        return cuda.paged_attention(query, key_cache, value_cache, meta, scale, window, softcap)
     if window is None and softcap is None:  # the plain call, as every backend takes it
         return reference.paged_attention(query, key_cache, value_cache, meta, scale)
     return reference.paged_attention(query, key_cache, value_cache, meta, scale, window, softcap)

@@ -29,10 +29,23 @@
 //   each partition writes (max, sum, normalized output) to fp32 workspaces
 //   for kernel 2. Context length 0 (CUDA-graph padding rows) writes zeros.
 //
+// Sliding window W (window > 0; 0 or less = none): the query at position
+// ctx - 1 sees keys ctx - W .. ctx - 1 only (kernels/reference.py's rule,
+// p - W < key <= p). Partitions stay aligned to multiples of partition_size
+// from position 0, but only those holding a visible key run: grid.z counts
+// from the first of them, so partitions and blocks wholly before the window
+// are never read, and a partition that starts before the window starts at
+// its first visible key instead (the slots before it are neither read nor
+// weighted). Soft-cap (softcap_log2 > 0, Gemma 2): a score s (scaled, in
+// base 2 like every score here) becomes C2 tanh(s / C2) with C2 = cap * log2(e),
+// which is log2(e) * cap * tanh(s_e / cap) of the natural-base score s_e:
+// the reference's tanh(s / cap) * cap, after the scale and before the mask.
+//
 // Kernel 2, paged_attention_decode_reduce_<dtype>_d<D>:
 //   grid (num_heads, num_seqs), block D threads. Merges the partitions of
 //   sequences with more than one: M = max_p m_p, w_p = l_p * 2^(m_p - M),
-//   out = sum_p w_p o_p / sum_p w_p.
+//   out = sum_p w_p o_p / sum_p w_p (over the partitions kernel 1 ran: those
+//   holding a key inside the window).
 #include "common.cuh"
 
 namespace hr {
@@ -67,10 +80,22 @@ struct DecodeSmem {
   float head_sum[kMaxGroup];
 };
 
-// Which (sequence, heads, partition) this thread block serves.
+// Which (sequence, heads, partition) this thread block serves. `part` and
+// `parts` count only the partitions holding a visible key (the workspace slots),
+// [tok_begin, tok_end) are this partition's visible keys.
 struct DecodeWork {
   int seq, part, kv_head, head0, heads, q_row, ctx, parts, tok_begin, tok_end;
 };
+
+// The first key the query at position ctx - 1 sees (window <= 0: none, key 0).
+__device__ __forceinline__ int window_start(int ctx, int window) {
+  return window > 0 && ctx > window ? ctx - window : 0;
+}
+
+// Soft-capped score in base 2 (see the header); softcap_log2 <= 0 leaves it.
+__device__ __forceinline__ float soft_cap(float s, float softcap_log2) {
+  return softcap_log2 > 0.0f ? softcap_log2 * tanhf(s / softcap_log2) : s;
+}
 
 // Sums N values per lane over groups of LANES lanes; afterwards this lane
 // holds the full sum of key `which` (the lanes of a group split the keys).
@@ -111,12 +136,13 @@ __device__ __forceinline__ void load_queries(DecodeSmem<D>& sm, const DecodeWork
   }
 }
 
-// Phase 1: logits[g][t - tok_begin] = log2(e) * scale * q_g . k_t for the
-// partition's tokens t < tok_end.
+// Phase 1: logits[g][t - tok_begin] = log2(e) * scale * q_g . k_t (soft-capped)
+// for the partition's tokens tok_begin <= t < tok_end.
 template <typename T, int D, int B>
 __device__ __forceinline__ void score_keys(DecodeSmem<D>& sm, const DecodeWork& w,
                                            const T* __restrict__ key_cache,
-                                           const int* __restrict__ table, int num_kv_heads) {
+                                           const int* __restrict__ table, int num_kv_heads,
+                                           float softcap_log2) {
   using S = DecodeShape<T, D, B>;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int key_in_row = lane / S::kLanesPerKey, chunk = lane % S::kLanesPerKey;
@@ -130,7 +156,8 @@ __device__ __forceinline__ void score_keys(DecodeSmem<D>& sm, const DecodeWork& 
 #pragma unroll
       for (int j = 0; j < kKeysPerLane; ++j) {
         const int slot = it + j * S::kKeysPerRow + key_in_row;
-        load16_or_zero(base + slot * token_stride, blk * B + slot < w.tok_end, k[j]);
+        const int pos = blk * B + slot;
+        load16_or_zero(base + slot * token_stride, pos >= w.tok_begin && pos < w.tok_end, k[j]);
       }
       for (int g = 0; g < w.heads; ++g) {
         float q[S::kVec];
@@ -150,11 +177,12 @@ __device__ __forceinline__ void score_keys(DecodeSmem<D>& sm, const DecodeWork& 
           for (int e = 0; e < S::kVec; ++e) dots[j] = fmaf(q[e], k[j][e], dots[j]);
         }
         int which;
-        const float s = reduce_scatter_sum<kKeysPerLane, S::kLanesPerKey>(dots, lane, which);
+        const float s = soft_cap(
+            reduce_scatter_sum<kKeysPerLane, S::kLanesPerKey>(dots, lane, which), softcap_log2);
         const int tok = blk * B + it + which * S::kKeysPerRow + key_in_row;
         // Lanes holding the same key hold the same sum: the first one writes.
         const bool writer = (chunk & (S::kLanesPerKey / kKeysPerLane - 1)) == 0;
-        if (writer && tok < w.tok_end) sm.logits[g][tok - w.tok_begin] = s;
+        if (writer && tok >= w.tok_begin && tok < w.tok_end) sm.logits[g][tok - w.tok_begin] = s;
       }
     }
   }
@@ -204,12 +232,13 @@ __device__ __forceinline__ void accumulate_values(const DecodeSmem<D>& sm, const
 #pragma unroll
       for (int j = 0; j < kKeysPerLane; ++j) {
         const int slot = it + j * S::kKeysPerRow + key_in_row;
-        load16_or_zero(base + slot * token_stride, blk * B + slot < w.tok_end, v[j]);
+        const int pos = blk * B + slot;
+        load16_or_zero(base + slot * token_stride, pos >= w.tok_begin && pos < w.tok_end, v[j]);
       }
 #pragma unroll
       for (int j = 0; j < kKeysPerLane; ++j) {
         const int t = blk * B + it + j * S::kKeysPerRow + key_in_row - w.tok_begin;
-        const bool valid = t < w.tok_end - w.tok_begin;
+        const bool valid = t >= 0 && t < w.tok_end - w.tok_begin;
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
           if (g >= w.heads) break;
@@ -279,7 +308,7 @@ __device__ __forceinline__ void store_output(DecodeSmem<D>& sm, const DecodeWork
 // Fills in DecodeWork; false when this thread block has nothing to do.
 __device__ __forceinline__ bool decode_work(DecodeWork& w, const int* __restrict__ context_lens,
                                            const int* __restrict__ query_start_loc,
-                                           int group_size, int partition_size) {
+                                           int group_size, int partition_size, int window) {
   w.seq = blockIdx.y;
   w.part = blockIdx.z;
   w.q_row = query_start_loc[w.seq];
@@ -290,11 +319,14 @@ __device__ __forceinline__ bool decode_work(DecodeWork& w, const int* __restrict
   w.head0 = w.kv_head * group_size + chunk * kMaxGroup;
   w.heads = imin(kMaxGroup, group_size - chunk * kMaxGroup);
   w.ctx = context_lens[w.seq];
-  w.parts = (w.ctx + partition_size - 1) / partition_size;
+  const int lo = window_start(w.ctx, window);
+  const int first = lo / partition_size;  // partitions before it hold no visible key
+  w.parts = (w.ctx + partition_size - 1) / partition_size - first;
   // Partition 0 of an empty context still runs: it writes the zeros.
   if (w.part >= (w.parts > 0 ? w.parts : 1)) return false;
-  w.tok_begin = w.part * partition_size;
-  w.tok_end = imin(w.tok_begin + partition_size, w.ctx);
+  const int begin = (first + w.part) * partition_size;
+  w.tok_begin = begin > lo ? begin : lo;
+  w.tok_end = imin(begin + partition_size, w.ctx);
   return true;
 }
 
@@ -304,11 +336,11 @@ __device__ __forceinline__ void decode_partition(
     float* __restrict__ ws_sum, const T* __restrict__ query, const T* __restrict__ key_cache,
     const T* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ context_lens, const int* __restrict__ query_start_loc,
-    float scale_log2, int num_kv_heads, int group_size, int table_width, int max_partitions,
-    int partition_size) {
+    float scale_log2, float softcap_log2, int window, int num_kv_heads, int group_size,
+    int table_width, int max_partitions, int partition_size) {
   __shared__ DecodeSmem<D> sm;
   DecodeWork w;
-  if (!decode_work(w, context_lens, query_start_loc, group_size, partition_size)) return;
+  if (!decode_work(w, context_lens, query_start_loc, group_size, partition_size, window)) return;
   const int num_heads = num_kv_heads * group_size;
   if (w.ctx == 0) {
     T* row = out + static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D;
@@ -318,7 +350,7 @@ __device__ __forceinline__ void decode_partition(
   const int* table = block_tables + static_cast<i64>(w.seq) * table_width;
   load_queries<T, D, B>(sm, w, query, num_heads, scale_log2);
   __syncthreads();
-  score_keys<T, D, B>(sm, w, key_cache, table, num_kv_heads);
+  score_keys<T, D, B>(sm, w, key_cache, table, num_kv_heads, softcap_log2);
   __syncthreads();
   softmax_rows<D>(sm, w);
   __syncthreads();
@@ -334,12 +366,15 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
                                               const float* __restrict__ ws_sum,
                                               const int* __restrict__ context_lens,
                                               const int* __restrict__ query_start_loc,
-                                              int num_heads, int max_partitions,
+                                              int window, int num_heads, int max_partitions,
                                               int partition_size) {
   const int head = blockIdx.x, seq = blockIdx.y;
   const int q_row = query_start_loc[seq];
   if (query_start_loc[seq + 1] - q_row != 1) return;
-  const int parts = (context_lens[seq] + partition_size - 1) / partition_size;
+  const int ctx = context_lens[seq];
+  // As decode_work counts them: the partitions holding a visible key.
+  const int parts =
+      (ctx + partition_size - 1) / partition_size - window_start(ctx, window) / partition_size;
   if (parts <= 1) return;  // written directly by the partition kernel
   const i64 base = (static_cast<i64>(seq) * num_heads + head) * max_partitions;
   float global_max = neg_inf();
@@ -367,21 +402,22 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
           float* __restrict__ ws_sum, const T* __restrict__ query,                              \
           const T* __restrict__ key_cache, const T* __restrict__ value_cache,                   \
           const int* __restrict__ block_tables, const int* __restrict__ context_lens,           \
-          const int* __restrict__ query_start_loc, float scale_log2, int num_kv_heads,          \
-          int group_size, int table_width, int max_partitions, int partition_size) {            \
+          const int* __restrict__ query_start_loc, float scale_log2, float softcap_log2,        \
+          int window, int num_kv_heads, int group_size, int table_width, int max_partitions,     \
+          int partition_size) {                                                                 \
     hr::decode_partition<T, D, B>(out, ws_out, ws_max, ws_sum, query, key_cache, value_cache,   \
                                   block_tables, context_lens, query_start_loc, scale_log2,      \
-                                  num_kv_heads, group_size, table_width, max_partitions,        \
-                                  partition_size);                                              \
+                                  softcap_log2, window, num_kv_heads, group_size, table_width,  \
+                                  max_partitions, partition_size);                              \
   }
 
 #define HR_DEFINE_DECODE_REDUCE(SUFFIX, T, D)                                                   \
   extern "C" __global__ void __launch_bounds__(D) paged_attention_decode_reduce_##SUFFIX##_d##D( \
       T* __restrict__ out, const float* __restrict__ ws_out, const float* __restrict__ ws_max,  \
       const float* __restrict__ ws_sum, const int* __restrict__ context_lens,                   \
-      const int* __restrict__ query_start_loc, int num_heads, int max_partitions,               \
+      const int* __restrict__ query_start_loc, int window, int num_heads, int max_partitions,   \
       int partition_size) {                                                                     \
-    hr::decode_reduce<T, D>(out, ws_out, ws_max, ws_sum, context_lens, query_start_loc,         \
+    hr::decode_reduce<T, D>(out, ws_out, ws_max, ws_sum, context_lens, query_start_loc, window, \
                             num_heads, max_partitions, partition_size);                         \
   }
 

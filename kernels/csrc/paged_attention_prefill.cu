@@ -19,6 +19,15 @@
 //   registers), converted to fp32 once; scores, online softmax (base 2) and
 //   accumulation are fp32 (flash-attention's running max and sum).
 //   Slots past the tile's last visible key are never read.
+//
+// Sliding window W (window > 0; 0 or less = none): the query at position p
+// sees keys p - W + 1 .. p only (kernels/reference.py: p - W < key <= p), each
+// query by its own position. A tile's K/V stream starts at its first row's
+// first visible key, so blocks wholly before every row's window are never
+// read; keys before a row's window score -inf like those past its position.
+// Soft-cap (softcap_log2 > 0, Gemma 2): each score, scaled and in base 2,
+// becomes C2 tanh(s / C2), C2 = cap * log2(e): the reference's
+// tanh(s / cap) * cap in natural units, after the scale and before the mask.
 #include "common.cuh"
 
 namespace hr {
@@ -47,13 +56,15 @@ struct PrefillSmem {
 
 // What one thread works on.
 struct PrefillWork {
-  int seq, kv_head, row, head, q_pos, kv_len;
+  int seq, kv_head, row, head;
+  int q_pos, q_lo;  // this row sees keys q_lo .. q_pos
+  int kv_begin, kv_len;  // keys [kv_begin, kv_len) are visible to some row of the tile
   bool active;  // false for the padding rows of a sequence's last tile
 };
 
 __device__ __forceinline__ bool prefill_work(PrefillWork& w, const int* __restrict__ context_lens,
                                              const int* __restrict__ query_start_loc,
-                                             int group_size) {
+                                             int group_size, int window) {
   w.seq = blockIdx.y;
   w.kv_head = blockIdx.z;
   const int q_begin = query_start_loc[w.seq];
@@ -69,7 +80,11 @@ __device__ __forceinline__ bool prefill_work(PrefillWork& w, const int* __restri
   w.row = q_begin + tok;
   w.head = w.kv_head * group_size + row % group_size;
   w.q_pos = w.active ? ctx - qlen + tok : -1;  // -1: sees nothing
-  // Keys [0, kv_len) are visible to at least one row of the tile.
+  w.q_lo = window > 0 ? w.q_pos - window + 1 : 0;
+  // Keys [kv_begin, kv_len) are visible to at least one row of the tile: from
+  // the first row's first key to the last row's position.
+  const int first_pos = ctx - qlen + row0 / group_size;
+  w.kv_begin = window > 0 && first_pos >= window ? first_pos - window + 1 : 0;
   const int last_row = imin(row0 + kPrefillRows, rows) - 1;
   w.kv_len = ctx - qlen + last_row / group_size + 1;
   return true;
@@ -122,7 +137,8 @@ __device__ __forceinline__ void stage_kv(PrefillSmem<D, KV>& sm, const PrefillWo
 
 template <int D, int KV>
 __device__ __forceinline__ void score_tile(float (&s)[KV], const PrefillSmem<D, KV>& sm,
-                                           const float (&q)[D / 2], int t0, int q_pos) {
+                                           const float (&q)[D / 2], int t0, int q_lo, int q_pos,
+                                           float softcap_log2) {
   const int half = threadIdx.x & 1;
 #pragma unroll
   for (int k = 0; k < KV; ++k) {
@@ -136,7 +152,8 @@ __device__ __forceinline__ void score_tile(float (&s)[KV], const PrefillSmem<D, 
       part = fmaf(q[4 * c + 3], kk.w, part);
     }
     part += __shfl_xor_sync(kFullMask, part, 1);  // the pair's two halves of the dot
-    s[k] = t0 + k <= q_pos ? part : neg_inf();
+    if (softcap_log2 > 0.0f) part = softcap_log2 * tanhf(part / softcap_log2);
+    s[k] = t0 + k >= q_lo && t0 + k <= q_pos ? part : neg_inf();
   }
 }
 
@@ -144,11 +161,11 @@ __device__ __forceinline__ void score_tile(float (&s)[KV], const PrefillSmem<D, 
 // adds this tile's probabilities times values.
 template <int D, int KV>
 __device__ __forceinline__ void attend_tile(const PrefillSmem<D, KV>& sm, const float (&q)[D / 2],
-                                            int t0, int q_pos, float (&o)[D / 2], float& m,
-                                            float& l) {
+                                            int t0, const PrefillWork& w, float softcap_log2,
+                                            float (&o)[D / 2], float& m, float& l) {
   const int half = threadIdx.x & 1;
   float s[KV];
-  score_tile<D, KV>(s, sm, q, t0, q_pos);
+  score_tile<D, KV>(s, sm, q, t0, w.q_lo, w.q_pos, softcap_log2);
   float tile_max = neg_inf();
 #pragma unroll
   for (int k = 0; k < KV; ++k) tile_max = fmaxf(tile_max, s[k]);
@@ -181,12 +198,13 @@ __device__ __forceinline__ void prefill_attention(
     T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ key_cache,
     const T* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ context_lens, const int* __restrict__ query_start_loc,
-    float scale_log2, int num_kv_heads, int group_size, int block_size, int table_width) {
+    float scale_log2, float softcap_log2, int window, int num_kv_heads, int group_size,
+    int block_size, int table_width) {
   using S = PrefillShape<T, D>;
   constexpr int KV = S::kKvTile;
   __shared__ PrefillSmem<D, KV> sm;
   PrefillWork w;
-  if (!prefill_work(w, context_lens, query_start_loc, group_size)) return;
+  if (!prefill_work(w, context_lens, query_start_loc, group_size, window)) return;
   const int num_heads = num_kv_heads * group_size;
   const int* table = block_tables + static_cast<i64>(w.seq) * table_width;
   float q[D / 2], o[D / 2];
@@ -194,11 +212,11 @@ __device__ __forceinline__ void prefill_attention(
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   float m = neg_inf(), l = 0.0f;
-  for (int t0 = 0; t0 < w.kv_len; t0 += KV) {
+  for (int t0 = w.kv_begin; t0 < w.kv_len; t0 += KV) {
     __syncthreads();  // every thread is done with the previous tile
     stage_kv<T, D, KV>(sm, w, key_cache, value_cache, table, num_kv_heads, block_size, t0);
     __syncthreads();
-    attend_tile<D, KV>(sm, q, t0, w.q_pos, o, m, l);
+    attend_tile<D, KV>(sm, q, t0, w, softcap_log2, o, m, l);
   }
   if (!w.active) return;
   const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
@@ -219,11 +237,11 @@ __device__ __forceinline__ void prefill_attention(
           T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ key_cache,  \
           const T* __restrict__ value_cache, const int* __restrict__ block_tables,            \
           const int* __restrict__ context_lens, const int* __restrict__ query_start_loc,      \
-          float scale_log2, int num_kv_heads, int group_size, int block_size,                 \
-          int table_width) {                                                                  \
+          float scale_log2, float softcap_log2, int window, int num_kv_heads, int group_size,  \
+          int block_size, int table_width) {                                                  \
     hr::prefill_attention<T, D>(out, query, key_cache, value_cache, block_tables,             \
-                                context_lens, query_start_loc, scale_log2, num_kv_heads,      \
-                                group_size, block_size, table_width);                         \
+                                context_lens, query_start_loc, scale_log2, softcap_log2,      \
+                                window, num_kv_heads, group_size, block_size, table_width);   \
   }
 
 HR_DEFINE_PREFILL(f16, __half, 64)

@@ -8,7 +8,8 @@ last plan, keyed by the metadata object and the tensors' shapes and dtypes. Per
 layer only what can differ between layers' tensors is checked again (contiguity
 and 16-byte alignment of query and caches).
 
-The decode partition size is chosen here too (``decode_partition_size``).
+The decode partition size is chosen here too (``decode_partition_size``), and a sliding
+window's decode grid (``AttentionPlan.decode_partitions_within``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ class AttentionPlan:
     @property
     def group_chunks(self) -> int:
         return -(-self.group // MAX_GROUP)
+
+    def decode_partitions_within(self, window: int) -> int:
+        """grid.z of a layer's decode launch: every partition of the longest context, or
+        with a window (> 0) the most partitions its keys can touch, whatever their alignment
+        (the kernel runs a sequence's partitions from the first holding a visible key).
+        Independent of the actual contexts, so a captured CUDA graph stays valid."""
+        if window <= 0:
+            return self.decode_partitions
+        return min(self.decode_partitions, -(-(window - 1) // self.decode_partition_size) + 1)
 
 
 def decode_partition_size(thread_blocks_per_partition: int, longest: int, sm_count: int) -> int:

@@ -16,6 +16,12 @@ lists, and a sequence gets the same kernel, hence the same bits, whatever
 else shares its batch. Attention takes fp16 or bf16, head dim 64 or 128,
 block size 16 or 32; the cache write takes fp16, bf16 or fp32.
 
+A sliding ``window`` and a ``softcap`` (Gemma 2) are kernel arguments (0 = none), applied
+as kernels/reference.py applies them: the query at position p sees keys p - window < k <= p,
+and scores become tanh(s / softcap) * softcap after the scale, before the mask. With a
+window the decode grid covers only the partitions a window can reach, and neither kernel
+reads the blocks wholly before a query's window.
+
 Trusted, not checked (checking would read device memory back): slot_mapping
 values lie inside the cache, and block_tables / context_lens / query_start_loc
 hold the values their host copies in AttentionMetadata describe.
@@ -254,29 +260,53 @@ def paged_attention(
     value_cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Attend query [T, H, D] over the paged cache; returns [T, H, D] in the query dtype.
 
+    ``window``: each query sees only the last ``window`` keys up to its position (itself
+    included); ``softcap``: scores become tanh(s / softcap) * softcap (None: neither).
     Rows no sequence owns come back as zeros, as do rows of sequences with context_len 0.
     The arguments are checked, and the launches planned, once per metadata object
     (kernels/cuda/attention_plan.py): the other layers of a step reuse the plan.
     """
     _require_gpu(query, "query")
+    scores = _score_args(scale, window, softcap)
     plan = plan_for(query, key_cache, value_cache, meta)
     if meta.num_seqs == 0:
         return torch.zeros_like(query)
     out = torch.empty_like(query) if plan.covered else torch.zeros_like(query)
-    scale_log2 = np.float32(scale * math.log2(math.e))
     if plan.decode_partitions:
-        _launch_decode(out, query, key_cache, value_cache, meta, scale_log2, plan)
+        _launch_decode(out, query, key_cache, value_cache, meta, scores, plan)
     if plan.prefill_longest:
-        _launch_prefill(out, query, key_cache, value_cache, meta, scale_log2, plan)
+        _launch_prefill(out, query, key_cache, value_cache, meta, scores, plan)
     return out
 
 
-def _launch_decode(out, query, key_cache, value_cache, meta, scale_log2, p: AttentionPlan):
+def _score_args(
+    scale: float, window: int | None, softcap: float | None
+) -> tuple[np.float32, np.float32, np.int32]:
+    """The kernels' (scale_log2, softcap_log2, window): scores are computed in base 2, so
+    the scale and the cap are both taken times log2(e); 0 is no cap, no window."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise ValueError(f"window must be an int or None, got {type(window).__name__}")
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be positive and finite, got {softcap}")
+    log2e = math.log2(math.e)
+    return (
+        np.float32(scale * log2e),
+        np.float32(softcap * log2e if softcap is not None else 0.0),
+        np.int32(min(window or 0, 2**31 - 1)),  # longer than any context: the same as none
+    )
+
+
+def _launch_decode(out, query, key_cache, value_cache, meta, scores, p: AttentionPlan):
     """Decode kernel over every sequence (it serves those with query_len 1), then the merge."""
-    parts, size = p.decode_partitions, p.decode_partition_size
+    window = int(scores[2])
+    parts, size = p.decode_partitions_within(window), p.decode_partition_size
     ws_out = ws_max = ws_sum = None  # one partition each: the kernel writes `out` directly
     if parts > 1:
         ws_shape = (meta.num_seqs, p.num_heads, parts)
@@ -288,7 +318,7 @@ def _launch_decode(out, query, key_cache, value_cache, meta, scale_log2, p: Atte
     grid = (p.num_kv_heads * p.group_chunks, meta.num_seqs, parts)
     args = (
         *map(_ptr, (out, ws_out, ws_max, ws_sum, query, key_cache, value_cache, *tables)),
-        scale_log2,
+        *scores,
         *map(np.int32, (p.num_kv_heads, p.group, p.table_width, parts, size)),
     )
     file = "paged_attention_decode.cu"
@@ -297,20 +327,20 @@ def _launch_decode(out, query, key_cache, value_cache, meta, scale_log2, p: Atte
         name = reduce_kernel_name(p.dtype_suffix, p.head_dim)
         args = (
             *map(_ptr, (out, ws_out, ws_max, ws_sum, meta.context_lens, meta.query_start_loc)),
-            *map(np.int32, (p.num_heads, parts, size)),
+            *map(np.int32, (window, p.num_heads, parts, size)),
         )
         grid = (p.num_heads, meta.num_seqs, 1)
         _launch(query.device, file, name, grid, (p.head_dim, 1, 1), args)
 
 
-def _launch_prefill(out, query, key_cache, value_cache, meta, scale_log2, p: AttentionPlan):
+def _launch_prefill(out, query, key_cache, value_cache, meta, scores, p: AttentionPlan):
     """Prefill kernel over every sequence (it serves those with query_len >= 2)."""
     tables = (meta.block_tables, meta.context_lens, meta.query_start_loc)
     name = prefill_kernel_name(p.dtype_suffix, p.head_dim)
     grid = (_cdiv(p.prefill_longest * p.group, PREFILL_ROWS), meta.num_seqs, p.num_kv_heads)
     args = (
         *map(_ptr, (out, query, key_cache, value_cache, *tables)),
-        scale_log2,
+        *scores,
         *map(np.int32, (p.num_kv_heads, p.group, p.block_size, p.table_width)),
     )
     file = "paged_attention_prefill.cu"

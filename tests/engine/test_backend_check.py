@@ -14,9 +14,16 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
+from compute.core.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from compute.engine import Engine
-from compute.loaders.dummy import load_dummy
+from compute.loaders.base import LoadedModel
+from compute.loaders.dummy import dummy_weights, load_dummy
 from kernels import ops
 from kernels.cuda import launch as cuda
 from tests.support.cuda_host.fake_cupy import FakeCupy
@@ -116,3 +123,35 @@ def test_engine_start_fails_before_the_first_step(
     with pytest.raises(ValueError, match=message):
         Engine(config, loaded=loaded)
     assert fake_cupy.compiles == []
+
+
+class _Started(Exception):
+    """Raised where the engine, past every model check, would allocate its KV cache."""
+
+
+@pytest.mark.parametrize("max_model_len", [None, 400])
+def test_engine_accepts_windows_and_softcaps_on_cuda(monkeypatch, fake_cupy, max_model_len):
+    """The CUDA kernels mask windows and cap scores: a Gemma 2-like model (alternating
+    sliding layers, attention soft-cap) starts on --device cuda with its whole context."""
+    monkeypatch.setattr("compute.engine.resolve_device", lambda d, t: (GPU, torch.float16))
+
+    def started(engine, config, model):
+        raise _Started(engine)
+
+    monkeypatch.setattr(Engine, "_build_cache", started)
+    config = ModelConfig(
+        name="gemma2-like", architecture="gemma2", vocab_size=300, hidden_size=128,
+        intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+        max_position_embeddings=512, sliding_window=32, layer_types=("sliding", "full"),
+        hidden_act="gelu_tanh", sandwich_norms=True, attn_logit_softcap=20.0,
+        final_logit_softcap=15.0,
+    )  # fmt: skip
+    loaded = LoadedModel(config, dummy_weights(config, torch.float16, "cpu", 0), None, "dummy")
+    engine_config = EngineConfig(
+        device=DeviceConfig(device="cuda", dtype="float16"),
+        scheduler=SchedulerConfig(max_model_len=max_model_len),
+    )
+    with pytest.raises(_Started) as started_engine:
+        Engine(engine_config, loaded=loaded)
+    assert started_engine.value.args[0].max_model_len == (max_model_len or 512)
+    assert len(fake_cupy.compiles) == 3  # the kernels were warmed up for it

@@ -123,6 +123,36 @@ def test_kernels_match_the_reference_attention_on_the_gpu(cpu_weights, monkeypat
     assert share >= 0.9
 
 
+def gemma2_attention(loaded):
+    """The same weights with Gemma 2's attention deltas: sliding and full layers in turn
+    (a 48-token window, shorter than most prompts) and soft-capped scores."""
+    n = loaded.config.num_layers
+    config = replace(
+        loaded.config,
+        sliding_window=48,
+        layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(n)),
+        attn_logit_softcap=10.0,
+    )
+    return replace(loaded, config=config)
+
+
+def test_windowed_softcapped_kernels_match_the_reference_attention_on_the_gpu(
+    cpu_weights, monkeypatch
+):
+    """As above for a model whose kernels mask a window and cap scores; its whole context
+    is served (no cap at the window on CUDA any more)."""
+    model, batch = gemma2_attention(cpu_weights), prompts(2)
+    engine = make_engine(model, "cuda", torch.bfloat16)
+    assert engine.max_model_len == model.config.max_position_embeddings
+    kernels = greedy_tokens(engine, batch)
+    monkeypatch.setattr(ops, "paged_attention", reference.paged_attention)
+    monkeypatch.setattr(ops, "reshape_and_cache", reference.reshape_and_cache)
+    torch_path = greedy_tokens(make_engine(model, "cuda", torch.bfloat16), batch)
+    share = agreement(kernels, torch_path)
+    print(f"\nbf16 greedy agreement, windowed + soft-capped, kernels vs torch: {share:.1%}")
+    assert share >= 0.9
+
+
 def test_prefix_cache_and_abort_on_the_gpu(cpu_weights, launch_counts):
     engine = make_engine(cpu_weights, "cuda", torch.bfloat16)
     first = prompts(2)
@@ -315,6 +345,24 @@ def test_cuda_graphs_replay_gives_the_tokens_of_the_same_buffers_run_eagerly(cpu
     share = agreement([plain[k] for k in sorted(plain)], [replayed[k] for k in sorted(plain)])
     print(f"\ngreedy agreement, graph replay vs eager steps: {share:.1%}")
     assert share >= 0.75
+
+
+def test_cuda_graphs_replay_windowed_layers_as_the_same_buffers_run_eagerly(cpu_weights):
+    """A windowed, soft-capped model's decode graphs: the captured grid covers the
+    partitions a window reaches at any context, so replay gives the eager buffers' tokens."""
+    from compute.cuda_graphs import DecodeGraphs
+
+    model = gemma2_attention(cpu_weights)
+    engine = make_engine(model, "cuda", torch.bfloat16, graphs=True)
+    replayed = _joining_and_leaving(engine, seed=7)
+    assert engine.runner.graphs.replays > 0
+    buffers = make_engine(model, "cuda", torch.bfloat16)
+    runner = buffers.runner
+    runner.graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, buffers.block_size, 16, buffers.max_model_len,
+        capture=False,
+    )  # fmt: skip
+    assert _joining_and_leaving(buffers, seed=7) == replayed
 
 
 def test_abort_during_graph_replayed_decoding_frees_blocks(cpu_weights):

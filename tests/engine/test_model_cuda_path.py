@@ -11,11 +11,17 @@ kernels.cuda instead of the torch reference:
   argument checks once per step);
 - with the host emulation (tests/support/cuda_host) running the real kernel source, whose
   hidden states must match the torch reference path on the same weights.
+
+Both also run a variant with Gemma 2's attention deltas (alternating sliding/full layers,
+a window shorter than the contexts, soft-capped scores), which the kernels take as
+launch arguments.
 """
 
 from __future__ import annotations
 
+import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -45,9 +51,21 @@ STEPS = [
 ]
 
 
+# Gemma 2's attention deltas on the same shapes: sliding and full layers alternating (a
+# window shorter than the steps' contexts, and than a block), attention scores soft-capped.
+WINDOWED = replace(
+    CONFIG, sliding_window=12, layer_types=("sliding", "full", "sliding"), attn_logit_softcap=1.5
+)
+
+
 @pytest.fixture(scope="module")
 def model() -> LlamaModel:
     return LlamaModel(CONFIG, dummy_weights(CONFIG, DTYPE, "cpu", seed=5))
+
+
+@pytest.fixture(scope="module")
+def windowed_model() -> LlamaModel:
+    return LlamaModel(WINDOWED, dummy_weights(WINDOWED, DTYPE, "cpu", seed=5))
 
 
 def new_caches():
@@ -116,11 +134,38 @@ def test_forward_through_the_fake_cupy(model, through_launchers, monkeypatch):
     assert len(checks) == len(STEPS), "metadata checked once per step, not per layer"
 
 
-def test_forward_through_the_emulated_kernels(model, monkeypatch, tmp_path_factory):
+def test_windows_and_softcap_reach_the_kernels(windowed_model, through_launchers, monkeypatch):
+    """Each layer's window (none on the full layers) and the soft-cap, as launch arguments."""
+    launches = []
+    monkeypatch.setattr(cuda, "_launch", lambda *a: launches.append(a))
+    run_steps(windowed_model)
+    attention = [a for a in launches if a[1] != "reshape_and_cache.cu" and "reduce" not in a[2]]
+    windows = []
+    for _, _, name, _, _, args in attention:
+        first = 10 if "decode" in name else 7  # the scores' arguments follow the pointers
+        assert args[first + 1] == pytest.approx(1.5 * math.log2(math.e))
+        windows.append(int(args[first + 2]))
+    # Layer by layer (sliding, full, sliding), each layer's kernels: the prefill; the decode
+    # then the prefill; the decode.
+    per_step = [[12, 0, 12], [12, 12, 0, 0, 12, 12], [12, 0, 12]]
+    assert windows == [w for step in per_step for w in step]
+
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["plain", "gemma2-attention"])
+def test_forward_through_the_emulated_kernels(
+    model, windowed_model, monkeypatch, tmp_path_factory, windowed
+):
     emulator = session_emulator(tmp_path_factory)
     if emulator is None:
         pytest.skip("the CPU emulation needs g++ and the CUDA headers (cuda_fp16.h)")
+    if windowed:
+        plain, model = run_steps(model), windowed_model
     expected = run_steps(model)  # the torch reference path
+    if windowed:  # the window and the cap change the answer: the comparison is not vacuous
+        changes = [
+            (p.float() - e.float()).abs().max().item() for p, e in zip(plain, expected, strict=True)
+        ]
+        assert max(changes) > 0.1
     launched = []
     monkeypatch.setattr(cuda, "_launch", lambda *a: launched.append(a[2]) or emulator.launch(*a))
     monkeypatch.setattr(cuda, "_require_gpu", lambda t, name: None)

@@ -347,10 +347,10 @@ def test_unsupported_settings_are_refused(llama_dir: Path, tmp_path: Path, chang
         _load(_with_config(llama_dir, tmp_path / "changed", **changes))
 
 
-def test_sliding_window_caps_max_model_len_only_on_cuda(llama_dir: Path, tmp_path: Path) -> None:
-    """The CPU paths mask by window, so a windowed model gets its whole context there; the
-    CUDA kernels do not: there it is served only within its window, where the window changes
-    nothing, and a longer --max-model-len is refused, naming both."""
+def test_sliding_window_model_gets_its_whole_context(llama_dir: Path, tmp_path: Path) -> None:
+    """Every attention path masks by window (the CPU kernels, the torch reference and the
+    CUDA kernels), so a windowed model is served over its whole context, on any device
+    (the CUDA engine's start: tests/engine/test_backend_check.py)."""
     path = _with_config(llama_dir, tmp_path / "mistral", model_type="mistral", sliding_window=64)
     assert _load(path).config.sliding_window == 64
 
@@ -366,11 +366,10 @@ def test_sliding_window_caps_max_model_len_only_on_cuda(llama_dir: Path, tmp_pat
 
     assert engine(None).max_model_len == 512
     assert engine(100).max_model_len == 100
-    config, cuda = _load(path).config, torch.device("cuda")
-    assert _max_model_len(None, config, cuda) == 64
-    assert _max_model_len(48, config, cuda) == 48
-    with pytest.raises(ValueError, match=r"max_model_len: 100 .*sliding_window \(64\)"):
-        _max_model_len(100, config, cuda)
+    config = _load(path).config
+    assert _max_model_len(None, config) == 512
+    assert _max_model_len(100, config) == 100
+    assert _max_model_len(4096, config) == 512
     # A window at least as long as the context is no window at all.
     wide = _with_config(llama_dir, tmp_path / "wide", model_type="mistral", sliding_window=4096)
     assert _load(wide).config.sliding_window is None

@@ -260,16 +260,17 @@ def test_short_decode_is_one_launch(launches):
     assert launch.name == "paged_attention_decode_f16_d64_b16"
     assert launch.grid == (2, 3, 1) and launch.block == (cuda.DECODE_THREADS, 1, 1)
     kinds = [type(a) for a in launch.args]
-    assert kinds == [np.uint64] * 10 + [np.float32] + [np.int32] * 5
+    assert kinds == [np.uint64] * 10 + [np.float32] * 2 + [np.int32] * 6
     pointers = _pointers(launch)
     assert pointers[0] == out.data_ptr() and pointers[1:4] == [0, 0, 0]  # no workspaces
     assert pointers[4:7] == [
         t.data_ptr() for t in (inputs.query, inputs.key_cache, inputs.value_cache)
     ]
     assert launch.args[10] == pytest.approx(0.125 * math.log2(math.e))
+    assert launch.args[11] == 0  # no soft-cap
     width = inputs.meta.block_tables.shape[1]
-    # kv heads, group, table width, partitions, partition size
-    assert [int(a) for a in launch.args[11:]] == [2, 3, width, 1, 512]
+    # window (none), kv heads, group, table width, partitions, partition size
+    assert [int(a) for a in launch.args[12:]] == [0, 2, 3, width, 1, 512]
 
 
 def test_long_decode_adds_the_partition_merge(launches):
@@ -354,6 +355,99 @@ def test_prefill_is_one_launch(launches):
     assert launch.grid == (math.ceil(100 * 3 / cuda.PREFILL_ROWS), 2, 3)
     assert launch.block == (cuda.PREFILL_THREADS, 1, 1)
     assert [int(a) for a in launch.args[-4:]] == [3, 3, 16, inputs.meta.block_tables.shape[1]]
+
+
+def _windowed(inputs: Inputs, window=None, softcap=None):
+    return cuda.paged_attention(
+        inputs.query, inputs.key_cache, inputs.value_cache, inputs.meta, 0.125, window, softcap
+    )
+
+
+def test_window_and_softcap_are_kernel_arguments(launches):
+    """Both kernels take (scale, softcap) times log2(e) and the window, the merge the window."""
+    inputs = attention_inputs(seqs=((1, 1100), (1, 30), (9, 300)), heads=6, kv_heads=2)
+    _windowed(inputs, window=100, softcap=30.0)
+    decode, merge, prefill = launches
+    log2e = math.log2(math.e)
+    for launch, first in ((decode, 10), (prefill, 7)):  # after the pointers
+        scores = launch.args[first : first + 3]
+        assert [type(a) for a in scores] == [np.float32, np.float32, np.int32]
+        assert scores[0] == pytest.approx(0.125 * log2e)
+        assert scores[1] == pytest.approx(30.0 * log2e)
+        assert int(scores[2]) == 100
+    # 100 keys can straddle a partition boundary: 2 of the context's 3 partitions of 512.
+    assert decode.grid[2] == 2 and [int(a) for a in decode.args[-2:]] == [2, 512]
+    assert [int(a) for a in merge.args[-4:]] == [100, 6, 2, 512]  # window, heads, parts, size
+    assert _pointers(merge)[:4] == _pointers(decode)[:4]
+
+
+@pytest.mark.parametrize(
+    "window,size,parts",
+    [
+        (None, 64, 18),  # ceil(1100 / 64)
+        (1, 64, 1),
+        (64, 64, 2),  # 64 keys straddle two partitions unless aligned
+        (65, 64, 2),
+        (66, 64, 3),
+        (200, 64, 5),
+        (5000, 64, 18),  # longer than the context: every partition
+        (100, 512, 2),
+        (600, 512, 3),  # more than the context's partitions: capped at them
+    ],
+)
+def test_decode_grid_covers_only_what_a_window_reaches(launches, monkeypatch, window, size, parts):
+    monkeypatch.setattr(attention_plan, "decode_partition_size", lambda *args: size)
+    inputs = attention_inputs(seqs=((1, 1100), (1, 3)))
+    _windowed(inputs, window=window)
+    decode = launches[0]
+    assert decode.grid[2] == parts
+    assert [int(a) for a in decode.args[-2:]] == [parts, size]
+    assert len(launches) == (2 if parts > 1 else 1)
+
+
+@pytest.mark.parametrize("size", [64, 512])
+def test_the_window_grid_holds_every_partition_the_kernel_runs(size):
+    """The decode kernel runs, for a context ctx, the partitions from the one holding key
+    ctx - window to the last (paged_attention_decode.cu, decode_work): never more than the
+    grid the plan gives a window, whatever the context."""
+    plan = attention_plan.AttentionPlan(
+        num_heads=2, num_kv_heads=1, head_dim=64, block_size=16, table_width=1,
+        dtype_suffix="f16", covered=True, decode_partition_size=size,
+        decode_partitions=math.ceil(3000 / size), prefill_longest=0,
+    )  # fmt: skip
+    for window in [*range(1, 2 * size + 3), 1000, 2999, 3000, 5000]:
+        grid = plan.decode_partitions_within(window)
+        runs = [math.ceil(c / size) - max(0, c - window) // size for c in range(1, 3001)]
+        assert max(runs) == grid  # enough, and not one more than some context needs
+
+
+def test_no_window_and_no_softcap_pass_zeros(launches):
+    inputs = attention_inputs(seqs=((1, 40), (5, 40)))
+    _windowed(inputs)
+    decode, prefill = launches
+    for launch, first in ((decode, 10), (prefill, 7)):
+        assert launch.args[first + 1] == 0 and int(launch.args[first + 2]) == 0
+    _windowed(inputs, window=2**40)  # longer than any context: the most an int32 holds
+    assert int(launches[-2].args[12]) == 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    "window,softcap,message",
+    [
+        (0, None, "window must be positive"),
+        (-3, None, "window must be positive"),
+        (2.5, None, "window must be an int"),
+        (True, None, "window must be an int"),
+        (None, 0.0, "softcap must be positive"),
+        (None, -1.0, "softcap must be positive"),
+        (None, math.inf, "softcap must be positive and finite"),
+        (None, math.nan, "softcap must be positive and finite"),
+    ],
+)
+def test_bad_window_or_softcap_is_rejected(launches, window, softcap, message):
+    with pytest.raises(ValueError, match=message):
+        _windowed(attention_inputs(), window=window, softcap=softcap)
+    assert launches == []
 
 
 def test_mixed_batch_runs_both_kernels(launches):

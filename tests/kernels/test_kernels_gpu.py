@@ -19,7 +19,8 @@ Tolerances: the kernels compute in fp32 and round once, so the error is about
 the output's rounding: relative error ||out - ref|| / ||ref|| below 2e-3
 (fp16) / 1e-2 (bf16), largest absolute error below 1e-2 / 4e-2 (seen on the
 emulator: about 2e-4 / 1.7e-3 relative). NaN never passes. Rows of context
-length 0 and rows no sequence owns must be exactly zero.
+length 0 and rows no sequence owns must be exactly zero. Sliding windows and soft-caps:
+test_kernels_gpu_window.py, with these batches and checks (fixtures: conftest.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from kernels import reference
 from kernels.cuda import attention_plan
 from kernels.cuda import launch as cuda
 from kernels.metadata import AttentionMetadata
-from tests.support.cuda_host.emulator import Emulator, session_emulator
 
 TOLERANCES = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (1e-2, 4e-2)}  # relative, max abs
 NUM_KV_HEADS = 2
@@ -130,17 +130,43 @@ def _real_meta(batch: Batch) -> AttentionMetadata:
     )
 
 
-def run_and_check(batch: Batch, scale: float | None = None) -> Tensor:
+def run_and_check(
+    batch: Batch,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """The kernels against the reference on the same batch. With a window, the cache slots
+    before every query's window are then overwritten with NaN for the kernels (not for the
+    reference): reading them, or weighting them by 0, would show as NaN in the output."""
     scale = scale if scale is not None else 1.0 / math.sqrt(batch.query.shape[-1])
-    out = cuda.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, scale)
+    real = batch.query[: batch.real_rows].float()
+    caches = (batch.key_cache.float(), batch.value_cache.float())
+    expected = reference.paged_attention(real, *caches, _real_meta(batch), scale, window, softcap)
+    if window is not None:
+        _poison_before_windows(batch, window)
+    out = cuda.paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, scale, window, softcap
+    )
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     assert not out.isnan().any(), "NaN in the output"
     assert (out[batch.real_rows :] == 0).all(), "padding / unowned rows must be zero"
-    real = batch.query[: batch.real_rows].float()
-    caches = (batch.key_cache.float(), batch.value_cache.float())
-    expected = reference.paged_attention(real, *caches, _real_meta(batch), scale)
     _assert_close(out[: batch.real_rows].float(), expected, batch)
     return out
+
+
+def _poison_before_windows(batch: Batch, window: int) -> None:
+    """NaN into the K/V slots of each real sequence before its first query's window (the
+    keys no query of the step sees), whole blocks and the start of the first visible one."""
+    block_size = batch.key_cache.shape[1]
+    tables = batch.meta.block_tables.tolist()
+    for i in range(batch.real_seqs):
+        qlen, ctx = batch.meta.query_lens[i], batch.meta.context_lens_host[i]
+        first_visible = max(0, ctx - qlen - window + 1)
+        for pos in range(first_visible):
+            block, slot = tables[i][pos // block_size], pos % block_size
+            batch.key_cache[block, slot] = float("nan")
+            batch.value_cache[block, slot] = float("nan")
 
 
 def _assert_close(got: Tensor, expected: Tensor, batch: Batch) -> None:
@@ -157,25 +183,6 @@ def _assert_close(got: Tensor, expected: Tensor, batch: Batch) -> None:
                 f"seq {i} (query {qlen}, context {ctx}): rel {rel:.2e}, abs {worst:.2e}"
             )
     assert not failures, "\n".join(failures)
-
-
-# ----------------------------------------------------------------------------- emulated backend
-
-
-@pytest.fixture(scope="session")
-def emulator(tmp_path_factory) -> Emulator:
-    emulator = session_emulator(tmp_path_factory)
-    if emulator is None:
-        pytest.skip("the CPU emulation needs g++ and the CUDA headers (cuda_fp16.h)")
-    return emulator
-
-
-@pytest.fixture
-def emulated(emulator: Emulator, monkeypatch) -> str:
-    """Routes kernels.cuda's launches to the CPU emulation; returns the device to use."""
-    monkeypatch.setattr(cuda, "_launch", emulator.launch)
-    monkeypatch.setattr(cuda, "_require_gpu", lambda t, name: None)
-    return "cpu"
 
 
 # ----------------------------------------------------------------------------- shared checks
@@ -494,7 +501,10 @@ def test_high_block_ids_emulated(emulated, monkeypatch):
 def test_emulator_catches_a_missing_barrier(emulator, emulated, tmp_path, monkeypatch):
     """The emulation is only worth its keep if it fails a racy kernel: drop a __syncthreads."""
     source = (cuda.CSRC / "paged_attention_decode.cu").read_text()
-    barrier = "  score_keys<T, D, B>(sm, w, key_cache, table, num_kv_heads);\n  __syncthreads();\n"
+    barrier = (
+        "  score_keys<T, D, B>(sm, w, key_cache, table, num_kv_heads, softcap_log2);\n"
+        "  __syncthreads();\n"
+    )
     assert barrier in source
     racy = tmp_path / "racy_decode.cu"
     racy.write_text(source.replace(barrier, barrier.replace("  __syncthreads();\n", "")))
