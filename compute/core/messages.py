@@ -83,6 +83,9 @@ class AddRequest:
     params: SamplingParams
     priority: int
     arrival_time: float  # time.monotonic() when the pipeline admitted it
+    # n > 1 (services/pipeline/samples.py): the request of the same prompt whose prompt KV
+    # blocks this one shares if that one is still running then (compute/core/scheduler.py).
+    fork_of: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
