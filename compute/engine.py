@@ -358,6 +358,8 @@ class Engine:
             spec_draft_tokens=sched.num_draft_tokens,
             spec_accepted_tokens=sched.num_accepted_tokens,
             spec_emitted_tokens=sched.num_spec_emitted_tokens,
+            samples_forked=sched.num_forked,
+            samples_not_forked=sched.num_fork_fallbacks,
         )
 
     def generate(
