@@ -4,7 +4,8 @@ K/V. Greedy samples equal the single answer, seeded ones their solo runs with se
 the prompt is computed once plus one token per extra sample, with prefix caching on or
 off; blocks all come back after completion, aborts and preemption; a parent gone means a
 normal admission. Also asynchronous output, speculative decoding, an int8 KV cache and
-fault isolation with forks in the batch.
+fault isolation with forks in the batch, and the copied block's rows read back from the
+device's own caches (a CUDA variant, gpu-marked, with CUDA's defaults: asynchronous output).
 
 The scheduler's bookkeeping itself (shared and copied blocks, fallbacks, no shared block
 ever written) is in tests/core/test_fork_scheduler.py and the property tests.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from compute.core.config import (
     CacheConfig,
@@ -288,3 +290,43 @@ def test_a_fault_in_one_sample_fails_it_alone(target, after_tokens) -> None:
     }
     assert faulty.stats().samples_forked == 2
     assert_all_free(faulty)
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [("cpu", torch.float32), pytest.param("cuda", torch.float16, marks=[pytest.mark.gpu, GPU])],
+)
+def test_the_fork_step_copies_the_partial_block_rows_in_every_layer(device, dtype) -> None:
+    """On the device's own caches (asynchronous output where it is the default): the
+    fork's block table starts with the parent's full blocks, and its copy of the partial
+    one holds the parent's rows, keys and values, in every layer."""
+    from compute.loaders.dummy import load_dummy
+
+    loaded = load_dummy("smollm2-135m", dtype, device, seed=0)
+    config = EngineConfig(
+        model="dummy:smollm2-135m",
+        cache=CacheConfig(block_size=16, num_blocks=64, enable_prefix_caching=False),
+        device=DeviceConfig(device=device, dtype=str(dtype).removeprefix("torch.")),
+    )
+    engine = Engine(config, loaded=loaded)
+    prompt = [(37 * i) % 40000 + 4 for i in range(40)]  # 2 full blocks, 8 tokens after
+    samples = Samples(engine, n=2)
+    samples.add("q", prompt, GREEDY)
+    while "q.1" not in samples.tokens:
+        samples.step()
+    samples.step()  # the step that admits the fork
+    parent, fork = engine.scheduler.get("q.0"), engine.scheduler.get("q.1")
+    assert engine.stats().samples_forked == 1
+    assert fork.block_ids[:2] == parent.block_ids[:2]
+    assert fork.block_ids[2] != parent.block_ids[2]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for keys, values in engine.runner.kv_caches:
+        for cache in (keys, values):
+            # Rows of positions 32..38; 39, the last prompt token, the fork computes itself.
+            assert torch.equal(cache[fork.block_ids[2], :7], cache[parent.block_ids[2], :7])
+    samples.run()
+    assert_all_free(engine)
