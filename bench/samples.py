@@ -1,9 +1,11 @@
 """n > 1 and logit_bias on the CPU, in process: what sharing the prompt saves, what a bias costs.
 
 1. One request with n samples vs n identical requests sent at once, through the Pipeline
-   over the real engine (the default model): prompt tokens the engine computed, prompt
-   tokens served from the prefix cache, client-side time to the first event and to the
-   end. The n requests at once are admitted in one step, so none reuses another's blocks.
+   over the real engine (the default model), with prefix caching on and off: prompt
+   tokens the engine computed, the samples' ``cached_prompt_tokens`` (not computed: the
+   forked samples' prompt length - 1, or prefix-cache hits), samples forked and not,
+   client-side time to the first event and to the end. The n requests at once are
+   admitted in one step, so none reuses another's blocks.
 2. The sampler alone on [batch, vocab] logits (batch 1 and 32): median time of
    ``sample_on_device`` with no logit_bias/min_tokens, with one row asking (300 biased
    ids and min_tokens), and with every row asking.
@@ -11,7 +13,7 @@
 One run each after a warm-up; on a shared machine the figures carry the neighbours' load
 (the JSON records the load average). Run by hand:
 
-    .venv/bin/python bench/samples.py [--n 4] [--prompt-tokens 600] [--threads 2]
+    .venv/bin/python bench/samples.py [--n 4] [--prompt-tokens 600] [--threads 2] [--skip-sampler]
 """
 
 from __future__ import annotations
@@ -74,10 +76,13 @@ def samples_vs_requests(engine: Engine, n: int, prompt: str, max_tokens: int) ->
                 inputs = [GenerateInput(f"r{k}", prompt=text, params=params) for k in range(n)]
             else:
                 inputs = [GenerateInput("r", prompt=text, params=params, n=n)]
-            before = pipeline.engine_stats().prompt_tokens
+            before = pipeline.engine_stats()
             run = asyncio.run(_timed(pipeline, inputs))
             time.sleep(0.2)  # the step loop publishes its stats after the step
-            run["prompt_tokens_computed"] = pipeline.engine_stats().prompt_tokens - before
+            after = pipeline.engine_stats()
+            run["prompt_tokens_computed"] = after.prompt_tokens - before.prompt_tokens
+            run["samples_forked"] = after.samples_forked - before.samples_forked
+            run["samples_not_forked"] = after.samples_not_forked - before.samples_not_forked
             run["prompt_tokens"] = len(engine.tokenizer.encode(text))
             results[label] = run
             print(label, run)
@@ -116,20 +121,25 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--skip-sampler", action="store_true", help="part 1 only")
     args = parser.parse_args()
-    engine = Engine(
-        EngineConfig(
-            cache=CacheConfig(num_blocks=1024), device=DeviceConfig("cpu", num_threads=args.threads)
+    runs, vocab = {}, None
+    for prefix in (True, False):
+        cache = CacheConfig(num_blocks=1024, enable_prefix_caching=prefix)
+        engine = Engine(
+            EngineConfig(cache=cache, device=DeviceConfig("cpu", num_threads=args.threads))
         )
-    )
-    sentence_tokens = len(engine.tokenizer.encode(TEXT))
-    prompt = TEXT * max(1, args.prompt_tokens // sentence_tokens)
-    vocab = engine.model_config.vocab_size
-    payload = {
-        "samples_vs_requests": samples_vs_requests(engine, args.n, prompt, args.max_tokens),
-        "sampler_ms": {f"batch {b}": sampler_cost(vocab, b, args.repeats) for b in (1, 32)},
-        "load_average_after": load_average(),
-    }
+        sentence_tokens = len(engine.tokenizer.encode(TEXT))
+        prompt = TEXT * max(1, args.prompt_tokens // sentence_tokens)
+        vocab = engine.model_config.vocab_size
+        print("prefix caching", "on" if prefix else "off")
+        label = f"prefix_caching_{'on' if prefix else 'off'}"
+        runs[label] = samples_vs_requests(engine, args.n, prompt, args.max_tokens)
+    payload = {"samples_vs_requests": runs}
+    if not args.skip_sampler:
+        sampler = {f"batch {b}": sampler_cost(vocab, b, args.repeats) for b in (1, 32)}
+        payload["sampler_ms"] = sampler
+    payload["load_average_after"] = load_average()
     publish("samples", payload, settings=vars(args))
 
 

@@ -217,14 +217,17 @@ class Engine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        fork_of: str | None = None,
     ) -> None:
-        """Queue a request. FieldError naming the field if it can never be served."""
+        """Queue a request. FieldError naming the field if it can never be served.
+        ``fork_of``: a request of the same prompt whose prompt K/V it may share (n > 1)."""
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
+            fork_of=fork_of,
         )
         self.scheduler.add_request(seq)
 
@@ -350,6 +353,8 @@ class Engine:
             spec_draft_tokens=sched.num_draft_tokens,
             spec_accepted_tokens=sched.num_accepted_tokens,
             spec_emitted_tokens=sched.num_spec_emitted_tokens,
+            samples_forked=sched.num_forked,
+            samples_not_forked=sched.num_fork_fallbacks,
         )
 
     def generate(

@@ -202,9 +202,11 @@ class ModelRunner:
         ]
 
     def swap(self, sched: SchedulerOutput) -> None:
-        """The step's block copies; done once per step, before any forward."""
+        """The step's block copies; done once per step, before any forward. Forks' copies
+        come last: a block a fork copies may have just been swapped in."""
         self._swap(sched.blocks_to_swap_out, to_host=True)
         self._swap(sched.blocks_to_swap_in, to_host=False)
+        self._copy(sched.blocks_to_copy)
 
     def begin_step(self) -> None:
         """A new step starts: the ids sampled so far are the previous step's."""
@@ -321,6 +323,17 @@ class ModelRunner:
             else:
                 dk[dst_ids.to(dk.device)] = hk[src_ids].to(dk.device)
                 dv[dst_ids.to(dv.device)] = hv[src_ids].to(dv.device)
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole device blocks (src, dst) in every layer, keys and values (int8 rows
+        carry their scales), queued on the device like the step's forward."""
+        if not pairs:
+            return
+        src = device_tensor([p[0] for p in pairs], torch.int64, self.device)
+        dst = device_tensor([p[1] for p in pairs], torch.int64, self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
 
 
 def _checked(

@@ -154,6 +154,7 @@ class StepLoop:
                 req.params,
                 priority=req.priority,
                 arrival_time=req.arrival_time,
+                fork_of=req.fork_of,
             )
         except FieldError as exc:
             kind = FailureKind.INVALID_ARGUMENT

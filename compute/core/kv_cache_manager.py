@@ -3,8 +3,12 @@
 The scheduler asks: which prefix blocks can this waiting sequence reuse
 (``get_computed_blocks``), can it grow by N tokens (``allocate_slots``, all or
 nothing, False when it cannot), publish its newly full blocks
-(``cache_full_blocks``), give everything back (``free``), and move it to host
-memory and back (``swap_out`` / ``swap_in``). Pure bookkeeping, no tensors.
+(``cache_full_blocks``), give everything back (``free``), move it to host
+memory and back (``swap_out`` / ``swap_in``), and start it from another running
+sequence's prompt (``fork``, n > 1). Pure bookkeeping, no tensors.
+
+A fork shares only full blocks, which neither sequence ever writes again (both write
+at positions past them); the block its own writes land in is a fresh copy.
 
 Every device block is exactly one of: free (on the allocator's free list),
 parked (cached, no sequence holds it, evictable; the cache holds its one
@@ -107,6 +111,33 @@ class KVCacheManager:
         if computed_blocks:
             self._num_registered[seq.request_id] = len(computed_blocks)
         return True
+
+    def fork(
+        self, seq: Sequence, parent: Sequence, num_tokens: int, num_new_tokens: int
+    ) -> list[tuple[int, int]] | None:
+        """Start ``seq`` (holding no blocks) with the K/V of ``parent``'s first
+        ``num_tokens`` tokens, and room for ``num_new_tokens`` more; None if it cannot.
+
+        ``parent``'s full blocks among them are shared (one more reference each); the
+        partial one after them is copied into a fresh block: the returned (parent block,
+        copy) pair, which the runner must copy before the step's forward. All or nothing.
+        """
+        if seq.block_ids or seq.num_computed_tokens:
+            raise ValueError(f"{seq.request_id}: only a sequence holding no blocks can fork")
+        if not 0 < num_tokens <= parent.num_computed_tokens:
+            raise ValueError(f"{parent.request_id}: has not computed {num_tokens} tokens")
+        num_shared, partial = divmod(num_tokens, self.block_size)
+        num_fresh = self.blocks_needed(num_tokens + num_new_tokens) - num_shared
+        if num_fresh > self.num_free_blocks:
+            return None
+        shared = parent.block_ids[:num_shared]
+        for block_id in shared:
+            self.allocator.fork(block_id)  # owned by the running parent: never parked
+        fresh = [self._allocate_block() for _ in range(num_fresh)]
+        seq.block_ids = shared + fresh
+        # The parent published the shared blocks (or found them published) already.
+        self._num_registered[seq.request_id] = num_shared
+        return [(parent.block_ids[num_shared], fresh[0])] if partial else []
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the blocks that ``seq``'s computed tokens have filled since last time."""

@@ -72,6 +72,10 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
+    # n > 1, cumulative: samples admitted by forking their first sample's prompt blocks,
+    # and those admitted as any other request (it was gone or not running by then).
+    samples_forked: int = 0
+    samples_not_forked: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,9 @@ class AddRequest:
     params: SamplingParams
     priority: int
     arrival_time: float  # time.monotonic() when the pipeline admitted it
+    # n > 1 (services/pipeline/samples.py): the request of the same prompt whose prompt KV
+    # blocks this one shares if that one is still running then (compute/core/scheduler.py).
+    fork_of: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,10 @@ class SchedulerOutput:
     # Block copies for preemption_mode=swap, as (device_block, host_block) pairs.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Device block copies for forked sequences, as (source, destination) pairs: a fork's
+    # copy of its parent's partial prompt block. Done after the swaps (a source may have
+    # just been swapped in), before the forward pass.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

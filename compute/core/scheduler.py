@@ -9,7 +9,8 @@ and a cap on running sequences (max_num_seqs). Order of service:
 2. running sequences still mid-prefill continue with their next chunk;
 3. swapped-out sequences come back (preemption_mode="swap");
 4. waiting requests, from the head of the queue, fill what is left of the
-   budget with prefill chunks (prefix-cache hits are not recomputed).
+   budget with prefill chunks (prefix-cache hits are not recomputed, and a fork
+   computes only its prompt's last token: see below).
 
 Items 3 and 4 are skipped in a step that had to preempt: the blocks just
 freed are for the running sequences (and a step never both swaps out and
@@ -30,6 +31,17 @@ prefill tokens is slower, and every decode in it waits for them; the
 decode-only step bounds how long decodes run at that slower pace (their
 inter-token latency) under a steady stream of arrivals, at the cost of time
 to first token. 0 disables it.
+
+Forks (n > 1, services/pipeline/samples.py): a request naming ``fork_of`` is admitted,
+while the sequence it names runs with the same prompt computed, with that prompt's K/V
+instead of computing it: the full blocks shared by reference, a copy of the partial last
+block (``blocks_to_copy``, done by the runner after the swaps and before the forward), and
+``num_computed_tokens`` = prompt length - 1, so it computes only the last prompt token to
+sample its first token from its own logits. Both sequences write only past the shared
+blocks, so no shared block is ever written. A parent that is gone (finished, aborted,
+preempted) or still computing its prompt is never waited for: the request is admitted as
+any other (prefix-cache hits, or recomputation). After a preemption a fork is a sequence
+like any other; its shared blocks are references the allocator counts, freed by the last.
 
 Asynchronous output (compute/engine.py): the engine may schedule step N+1 before step
 N's sampled ids reach the host. ``commit`` (once a step is launched) advances the step's
@@ -124,6 +136,10 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_spec_emitted_tokens = 0
+        # n > 1, cumulative: samples (requests naming fork_of) admitted by forking their
+        # parent's prompt blocks, and those admitted as any other request instead.
+        self.num_forked = 0
+        self.num_fork_fallbacks = 0
 
     # -- queries ------------------------------------------------------------
 
@@ -288,21 +304,55 @@ class Scheduler:
             self._start_running(seq, n, step)
 
     def _schedule_waiting(self, step: StepPlan) -> None:
-        kv = self.kv_manager
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
                 return  # preempted with a token in flight: it must know it to recompute
-            blocks, num_hit = kv.get_computed_blocks(seq)
-            n = min(seq.num_tokens - num_hit, step.budget)
-            if not kv.allocate_slots(seq, n, blocks):
+            admitted = self._admit(seq, step)
+            if admitted is None:
                 return  # head-of-line: later requests must not overtake it
+            num_hit, n, forked = admitted
             self.waiting.pop(0)
             seq.num_computed_tokens = num_hit
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = self.clock()
                 seq.num_cached_tokens = num_hit
+                if seq.fork_of is not None:  # counted once per sample, at its first admission
+                    self.num_forked += forked
+                    self.num_fork_fallbacks += not forked
             self._start_running(seq, n, step)
+
+    def _admit(self, seq: Sequence, step: StepPlan) -> tuple[int, int, bool] | None:
+        """Blocks for a waiting ``seq``: (tokens it need not compute, tokens it computes
+        this step, whether it forked), or None when they do not fit. A fork computes only
+        the last prompt token; any other admission reuses the prefix cache's hits."""
+        kv = self.kv_manager
+        parent = self._fork_parent(seq)
+        if parent is not None:
+            num_hit = seq.num_prompt_tokens - 1
+            copies = kv.fork(seq, parent, num_hit, 1)
+            if copies is None:
+                return None
+            step.copies.extend(copies)
+            return num_hit, 1, True
+        blocks, num_hit = kv.get_computed_blocks(seq)
+        n = min(seq.num_tokens - num_hit, step.budget)
+        if not kv.allocate_slots(seq, n, blocks):
+            return None
+        return num_hit, n, False
+
+    def _fork_parent(self, seq: Sequence) -> Sequence | None:
+        """The sequence ``seq`` forks from: the one it names, while that one runs with the
+        same prompt computed and ``seq`` has nothing of its own yet. None: admit it as any
+        other (a parent finished, preempted, aborted or mid-prompt is never waited for)."""
+        if seq.fork_of is None or seq.num_output_tokens or seq.num_prompt_tokens < 2:
+            return None
+        parent = self._requests.get(seq.fork_of)
+        if parent is None or parent.status is not SequenceStatus.RUNNING:
+            return None
+        if parent.num_computed_tokens < seq.num_prompt_tokens:
+            return None
+        return parent if parent.prompt_token_ids == seq.prompt_token_ids else None
 
     def _start_running(self, seq: Sequence, num_new_tokens: int, step: StepPlan) -> None:
         seq.status = SequenceStatus.RUNNING

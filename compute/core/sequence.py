@@ -32,9 +32,12 @@ class Sequence:
     sampling_params: SamplingParams
     arrival_time: float
     priority: int = 0  # lower runs first under the "priority" policy
+    fork_of: str | None = None  # n > 1: the sequence of the same prompt it may fork from
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    # Prompt tokens it did not compute at its first admission: prefix-cache hits, or all
+    # but the last prompt token when it forked from another sequence's prompt.
+    num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # the block table
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None

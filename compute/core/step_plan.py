@@ -1,7 +1,7 @@
 """The plan of one scheduler step, built up while ``Scheduler.schedule()`` runs.
 
 It holds the token budget left, the sequences scheduled (and which are decodes),
-the preempted request ids and the swap copy lists, and turns them into the
+the preempted request ids, the swap copy lists and the fork copies, and turns them into the
 ``SchedulerOutput`` handed to the runner. Pure Python, no torch.
 """
 
@@ -21,6 +21,7 @@ class StepPlan:
         self.preempted: list[str] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        self.copies: list[tuple[int, int]] = []  # forks' partial prompt blocks
 
     def add(
         self, seq: Sequence, num_new_tokens: int, is_decode: bool, draft: tuple[int, ...] = ()
@@ -51,4 +52,5 @@ class StepPlan:
             preempted_request_ids=self.preempted,
             blocks_to_swap_out=self.swap_out,
             blocks_to_swap_in=self.swap_in,
+            blocks_to_copy=self.copies,
         )

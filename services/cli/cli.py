@@ -118,11 +118,32 @@ def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, help="most new tokens (default: 256)")
     parser.add_argument("--seed", type=int, help="this request's sampling seed")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--n", type=int,
+        help="samples of the prompt, each printed whole after a [sample i] line (default: 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--logit-bias", action="append", default=[], type=_logit_bias, metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit (repeatable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--min-tokens", type=int, help="no EOS, stop token or stop string before this many tokens"
+    )
     parser.add_argument("--request-id", default="", help="request id (default: a UUID)")
     parser.add_argument(
         "--offline", action="store_true",
         help="run the engine in this process instead of calling a server",
     )  # fmt: skip
+
+
+def _logit_bias(value: str) -> tuple[int, float]:
+    token, sep, bias = value.partition("=")
+    try:
+        if sep:
+            return int(token), float(bias)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected ID=BIAS, e.g. 1234=-100, got {value!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -175,7 +196,9 @@ def _announce(server: Any) -> None:
 
 
 # generate's flags that go into the request as they are
-_REQUEST_OPTIONS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "request_id")
+_REQUEST_OPTIONS = (
+    "temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "request_id", "n", "min_tokens",
+)  # fmt: skip
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -188,14 +211,16 @@ def _generate(args: argparse.Namespace) -> int:
         text = sys.stdin.read()
     chat = [("user", text)] if args.chat is not None else None
     options = {k: getattr(args, k) for k in _REQUEST_OPTIONS}
+    options["logit_bias"] = dict(args.logit_bias)  # the last of a repeated id wins
     request = client.generate_request(None if chat else text, chat=chat, **options)
+    n = args.n or 1
     if args.offline:
         configs = build_configs(args)
         with client.OfflineClient(configs.engine, configs.pipeline) as offline:
-            client.print_responses(offline.generate(request), args.stream)
+            client.print_responses(offline.generate(request), args.stream, n)
     else:
         with client.Client(args.server, args.timeout, _security(args)) as remote:
-            client.print_responses(remote.generate(request), args.stream)
+            client.print_responses(remote.generate(request), args.stream, n)
     return 0
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -48,13 +48,19 @@ def generate_request(
     seed: int | None = None,
     stop: Sequence[str] = (),
     request_id: str = "",
+    n: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest for one of prompt / chat ((role, content) pairs) / token_ids."""
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     request = pb.GenerateRequest(
         request_id=request_id,
-        sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
-        stopping=pb.StoppingCriteria(max_tokens=max_tokens, stop=stop),
+        sampling=pb.SamplingParams(
+            **{k: v for k, v in sampling.items() if v is not None}, logit_bias=logit_bias
+        ),
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, stop=stop, min_tokens=min_tokens),
+        n=n,
     )
     if prompt is not None:
         request.prompt = prompt
@@ -149,8 +155,13 @@ class OfflineClient:
         self.close()
 
 
-def print_responses(responses: Iterable[pb.GenerateResponse], stream: bool) -> None:
-    """Text to stdout (as it comes when streaming), a one-line summary to stderr."""
+def print_responses(responses: Iterable[pb.GenerateResponse], stream: bool, n: int = 1) -> None:
+    """Text to stdout (as it comes when streaming), a one-line summary to stderr. With
+    n > 1 the samples' chunks interleave, so each sample is printed whole once the call
+    ends, after a ``[sample i]`` line, with its own summary."""
+    if n > 1:
+        _print_samples(responses)
+        return
     parts, complete = [], None
     for response in responses:
         if response.HasField("complete"):
@@ -163,14 +174,32 @@ def print_responses(responses: Iterable[pb.GenerateResponse], stream: bool) -> N
     sys.stdout.write("".join(parts) + "\n")
     sys.stdout.flush()
     if complete is not None:
-        usage, timing = complete.usage, complete.timing
-        reason = pb.FinishReason.Name(complete.finish_reason).removeprefix("FINISH_REASON_")
-        print(
-            f"[{reason.lower()}; {usage.prompt_tokens} prompt + {usage.completion_tokens} "
-            f"completion tokens ({usage.cached_prompt_tokens} cached); "
-            f"ttft {timing.time_to_first_token_seconds:.3f} s, total {timing.total_seconds:.3f} s]",
-            file=sys.stderr,
-        )
+        print(_summary(complete), file=sys.stderr)
+
+
+def _print_samples(responses: Iterable[pb.GenerateResponse]) -> None:
+    parts: dict[int, list[str]] = {}
+    completes: dict[int, pb.Complete] = {}
+    for response in responses:
+        if response.HasField("complete"):
+            completes[response.complete.sample_index] = response.complete
+        else:
+            parts.setdefault(response.chunk.sample_index, []).append(response.chunk.text)
+    for index in sorted(parts.keys() | completes.keys()):
+        sys.stdout.write(f"[sample {index}]\n" + "".join(parts.get(index, ())) + "\n")
+        sys.stdout.flush()
+        if index in completes:
+            print(f"sample {index}: {_summary(completes[index])}", file=sys.stderr)
+
+
+def _summary(complete: pb.Complete) -> str:
+    usage, timing = complete.usage, complete.timing
+    reason = pb.FinishReason.Name(complete.finish_reason).removeprefix("FINISH_REASON_")
+    return (
+        f"[{reason.lower()}; {usage.prompt_tokens} prompt + {usage.completion_tokens} "
+        f"completion tokens ({usage.cached_prompt_tokens} cached); "
+        f"ttft {timing.time_to_first_token_seconds:.3f} s, total {timing.total_seconds:.3f} s]"
+    )
 
 
 # asyncio.Runner.run takes coroutines only, not the awaitables anext()/aclose() return.

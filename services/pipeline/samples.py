@@ -2,10 +2,15 @@
 
 Each sample is an engine request of its own (its own sequence, seed and finish), and the
 prompt is computed once: sample 0 is tokenized and admitted first, and the others are
-admitted only once sample 0 has produced its first token, when its prompt's full KV
-blocks are in the prefix cache (compute/core/prefix_cache.py) -- so they reuse them and
-compute only the prompt's last partial block (their ``cached_prompt_tokens`` show it).
-They share sample 0's tokenized request too: the prompt is tokenized once.
+admitted only once sample 0 has produced its first token, when its prompt is computed.
+Each of them names sample 0 as the sequence it forks from (``AddRequest.fork_of``): the
+scheduler (compute/core/scheduler.py) gives it sample 0's full prompt KV blocks by
+reference and a copy of the partial last one, so it computes only the prompt's last
+token, for its own logits to sample its first token from -- the prompt costs one
+computation plus one token per extra sample, with prefix caching on or off (their
+``cached_prompt_tokens`` say prompt length - 1). If sample 0 has finished or been
+preempted by then, a sample is admitted as any request (prefix-cache hits, or the whole
+prompt). They share sample 0's tokenized request too: the prompt is tokenized once.
 
 - Seeds: with ``seed`` = s, sample i draws from its own generator seeded s + i, so each
   sample is reproducible alone, and sample 0 is the request run with n = 1.
@@ -73,7 +78,11 @@ class _SharedPrompt:
         if params.seed is not None:
             params = dataclasses.replace(params, seed=params.seed + index)
         return dataclasses.replace(
-            self.first, request_id=request_id, arrival_time=arrival, params=params
+            self.first,
+            request_id=request_id,
+            arrival_time=arrival,
+            params=params,
+            fork_of=self.first.request_id,
         )
 
 

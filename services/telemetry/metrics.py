@@ -35,6 +35,8 @@ _CUMULATIVE = {
     "spec_draft_tokens": "spec_draft_tokens",
     "spec_accepted_tokens": "spec_accepted_tokens",
     "spec_emitted_tokens": "spec_emitted_tokens",
+    "samples_forked": "samples_forked",
+    "samples_not_forked": "samples_recomputed",
 }
 
 
@@ -101,6 +103,17 @@ class Metrics:
             "Tokens emitted by steps that verified a draft (accepted + one each)",
             registry=r,
         )
+        # n > 1: the samples after the first, by how their prompt's K/V was had.
+        samples = Counter(
+            "headrace_samples_admitted_total",
+            "Extra samples of n > 1 requests admitted: forked (the first sample's prompt KV "
+            "blocks shared, one token computed) or recomputed (it had ended or was not "
+            "running: prefix-cache hits and the rest computed)",
+            ["admission"],
+            registry=r,
+        )
+        self.samples_forked = samples.labels(admission="forked")
+        self.samples_recomputed = samples.labels(admission="recomputed")
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         """Per-request outcomes and latencies, recorded by stage 3 and the facade."""

@@ -3,8 +3,9 @@
 Hypothesis draws a small cache (so preemption happens), both preemption
 modes, prefix caching on and off, both policies, shared prompt prefixes, and
 random arrivals, prompt lengths, max_tokens, EOS, aborts (queued, running,
-swapped and in-flight). After every step: every block is free, parked or
-owned by live sequences; the budget and max_num_seqs hold; decodes come
+swapped and in-flight), and samples that fork an earlier request's prompt (n > 1).
+After every step: every block is free, parked or owned by live sequences, and none
+that two sequences share is written; the budget and max_num_seqs hold; decodes come
 first. At the end: every request finished within a bounded number of steps
 (no deadlock, no starvation) with exactly the tokens it would get alone, and
 the cache is back to zero usage.
@@ -30,6 +31,7 @@ from compute.core.outputs import SchedulerOutput
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence, SequenceStatus
+from tests.core.test_fork_scheduler import assert_no_shared_block_written
 from tests.support.fake_runner import FakeRunner, reference_tokens
 
 EOS = 2
@@ -45,6 +47,7 @@ class Req:
     ignore_eos: bool
     abort_step: int | None
     abort_in_flight: bool
+    fork_of: int | None = None  # n > 1: an earlier request of the same prompt it may fork
 
 
 @dataclass
@@ -79,6 +82,10 @@ def scenarios(draw, allow_aborts: bool = True) -> Scenario:
     ]
     third = max(1, capacity // 3)
     requests = draw(st.lists(_requests(prefixes, third, allow_aborts), min_size=1, max_size=10))
+    for i, req in enumerate(requests[1:], 1):  # some are samples of an earlier request
+        parent = draw(st.none() | st.integers(0, i - 1))
+        if parent is not None:
+            _make_fork(req, requests[parent], parent)
     return Scenario(
         block_size=block_size,
         num_blocks=num_blocks,
@@ -107,6 +114,12 @@ def _requests(prefixes: list[list[int]], max_len: int, allow_aborts: bool):
         abort_step=abort_step,
         abort_in_flight=st.booleans(),
     )
+
+
+def _make_fork(req: Req, parent: Req, index: int) -> None:
+    req.fork_of = index
+    req.prompt = list(parent.prompt)
+    req.arrival_step = max(req.arrival_step, parent.arrival_step + 1)  # as samples.py does
 
 
 class Driver:
@@ -149,7 +162,10 @@ class Driver:
                 continue
             rid = f"r{i}"
             params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=req.ignore_eos)
-            seq = Sequence(rid, list(req.prompt), params, float(step), priority=req.priority)
+            fork_of = None if req.fork_of is None else f"r{req.fork_of}"
+            seq = Sequence(
+                rid, list(req.prompt), params, float(step), req.priority, fork_of=fork_of
+            )
             reject = self._expected_rejection(req)
             try:
                 self.sched.add_request(seq)
@@ -204,6 +220,7 @@ class Driver:
         assert len(set(rids)) == len(rids)
         assert not set(rids) & set(out.preempted_request_ids)
         assert not (out.blocks_to_swap_in and out.blocks_to_swap_out)
+        assert_no_shared_block_written(self.sched.kv_manager, out)
         seen_prefill = False
         for item in out.scheduled:
             seq = item.seq
@@ -338,6 +355,38 @@ def test_heavy_load_exercises_preemption_and_still_matches(mode, prefix, driver_
     driver.run()
     driver.check_results()
     assert driver.sched.num_preemptions > 0
+
+
+@DRIVERS
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("prefix", [True, False])
+def test_heavy_load_of_forked_samples_still_matches(mode, prefix, driver_cls):
+    """Three prompts of four samples each, arriving a step after their first, in a cache
+    too small for them all: forks, fallbacks and preemptions of both sides."""
+    rng = random.Random(f"fork-{mode}-{prefix}")
+    requests = []
+    for k in range(3):
+        first = Req(k, [rng.randrange(3, 60) for _ in range(7)], 10, 0, True, None, False)
+        requests.append(first)
+        for _ in range(3):
+            sample = Req(k + 1, [], rng.randrange(4, 12), 0, True, None, False)
+            _make_fork(sample, first, requests.index(first))
+            requests.append(sample)
+    sc = Scenario(
+        block_size=2,
+        num_blocks=16,
+        num_host_blocks=8 if mode == "swap" else 0,
+        max_model_len=64,
+        sched=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, preemption_mode=mode),
+        prefix=prefix,
+        eos_rate=0.0,
+        requests=requests,
+    )
+    driver = driver_cls(sc)
+    driver.run()
+    driver.check_results()
+    assert driver.sched.num_preemptions > 0
+    assert driver.sched.num_forked > 0
     if driver_cls is AsyncDriver:
         assert driver.runner.num_placeholders_fed > 0
     assert len(driver.reasons) == 12

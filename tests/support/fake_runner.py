@@ -1,7 +1,7 @@
 """A fake model runner for scheduler tests: a simulated paged KV cache, no model.
 
 ``FakeRunner.execute(SchedulerOutput) -> ModelRunnerOutput`` behaves like the
-real runner where the scheduler can tell: it performs the swap copies, writes
+real runner where the scheduler can tell: it performs the swap and fork copies, writes
 each scheduled token id into its KV slot through the block table, and
 "samples" the next token as a hash of the whole context *read back from the
 cache*. So a wrong block table, a prefix-cache hit on the wrong block, a lost
@@ -86,6 +86,8 @@ class FakeRunner:
             self.host[host_block] = list(self.device[device_block])
         for host_block, device_block in sched.blocks_to_swap_in:
             self.device[device_block] = list(self.host[host_block])
+        for src, dst in sched.blocks_to_copy:  # forks, after the swaps
+            self.device[dst] = list(self.device[src])
         for item in sched.scheduled:
             self._write(
                 item.seq, item.seq.num_computed_tokens, item.num_own_tokens, item.draft_token_ids
