@@ -18,7 +18,12 @@ What each kind becomes:
 - ``grammar``: a Lark grammar (llguidance's syntax), or a GBNF/EBNF one with ``::=`` rules
   (llama.cpp's and xgrammar's notation, what SGLang's ``ebnf`` extra sends), converted.
 - ``choice``: exactly one of the given strings.
-- ``structural_tag``: refused (not supported).
+- ``structural_tag``: SGLang's form, ``{"type": "structural_tag", "structures": [{"begin",
+  "schema", "end"}, ...], "triggers": [...]}`` (what SMG forwards from the OpenAI API's
+  ``response_format``): free text, and wherever the text reaches a trigger, one of the
+  structures whose ``begin`` starts with it: its ``begin``, a JSON value of its ``schema``,
+  its ``end``; then free text again (llguidance's ``StructTag``, lazy lexemes: a trigger is
+  text, never assumed to be a special token). xgrammar's newer ``format`` form is refused.
 """
 
 from __future__ import annotations
@@ -120,8 +125,44 @@ def _grammar_text(c: Constraint) -> str:
         _check_choices(c)
         return LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, c.choices)))
     if c.kind == "structural_tag":
-        raise FieldError(c.field, "structural tags are not supported; use a JSON schema")
+        return LLMatcher.grammar_from_lark(_structural_tag_lark(c))
     raise FieldError(c.field, f"unknown constraint kind {capped(c.kind)}")
+
+
+def _structural_tag_lark(c: Constraint) -> str:
+    """The Lark grammar of a structural tag (see the top); FieldError naming what is wrong."""
+    from llguidance import StructTag
+
+    try:
+        tag = json.loads(c.text)
+    except ValueError as exc:
+        raise FieldError(c.field, _reason(f"not valid JSON: {exc}")) from exc
+    if not isinstance(tag, dict):
+        raise FieldError(c.field, "a structural tag is a JSON object")
+    if "format" in tag:
+        raise FieldError(c.field, "the 'format' form is not supported; use structures and triggers")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise FieldError(c.field, "'structures' must be a non-empty list")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise FieldError(c.field, "'triggers' must be a list of non-empty strings")
+    tags = []
+    for i, st in enumerate(structures):
+        if not isinstance(st, dict):
+            raise FieldError(c.field, f"structures[{i}] must be an object")
+        begin, end, schema = st.get("begin"), st.get("end", ""), st.get("schema", {})
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise FieldError(c.field, f"structures[{i}]: 'begin' and 'end' must be strings")
+        if not isinstance(schema, dict | bool):
+            raise FieldError(c.field, f"structures[{i}]: 'schema' must be a JSON schema")
+        starts = [t for t in triggers if begin.startswith(t)]
+        if not starts:
+            raise FieldError(c.field, f"structures[{i}]: 'begin' starts with no trigger")
+        grammar = {} if schema is True else schema
+        if schema is False:
+            raise FieldError(c.field, f"structures[{i}]: the schema false matches nothing")
+        tags.append(StructTag(trigger=max(starts, key=len), begin=begin, grammar=grammar, end=end))
+    return StructTag.to_grammar(tags, assume_special=False)
 
 
 def _schema(c: Constraint) -> dict | bool:

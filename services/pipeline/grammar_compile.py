@@ -25,7 +25,7 @@ from compute.core.grammar import KINDS, MAX_CONSTRAINT_CHARS, CompiledGrammar, C
 from compute.grammar_compiler import GrammarCompiler
 from services.telemetry.metrics import NO_METRICS, Metrics
 
-SUPPORTED_KINDS = tuple(k for k in KINDS if k != "structural_tag")
+SUPPORTED_KINDS = KINDS
 
 
 @dataclass(frozen=True)

@@ -231,3 +231,68 @@ def test_a_failing_matcher_fails_its_request_only(engine: Engine) -> None:
 def test_ignore_eos_with_a_grammar_is_refused() -> None:
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(grammar=grammar("json_object"), ignore_eos=True)
+
+
+WEATHER_TAG = {
+    "type": "structural_tag",
+    "structures": [
+        {
+            "begin": "<function=get_weather>",
+            "schema": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+            "end": "</function>",
+        }
+    ],
+    "triggers": ["<function="],
+}
+
+
+def test_structural_tag_lets_text_through_and_holds_the_tagged_part_to_its_schema() -> None:
+    g = grammar("structural_tag", json.dumps(WEATHER_TAG))
+    encode = shared_model().tokenizer.encode
+
+    def accepted(text: str) -> bool:
+        ids = encode(text)
+        return g.new_matcher().validate_tokens(ids) == len(ids)
+
+    assert accepted("Let me look that up.")
+    assert accepted('Sure. <function=get_weather>{"city": "Paris"}</function> Done.')
+    assert not accepted('Sure. <function=get_weather>{"town": "Paris"}</function>')
+    assert not accepted('<function=get_weather>{"city": "Paris"} and more')
+    assert not accepted('<function=other>{"city": "Paris"}</function>')
+
+
+def test_structural_tag_output_holds_its_schema_after_the_trigger(engine: Engine) -> None:
+    # Free text until the trigger, then the structure: here a city the schema does not allow
+    # is what the model writes unconstrained, so the tag's part must differ from that.
+    city = {"enum": ["Paris", "Berlin"]}
+    only = dict(WEATHER_TAG, structures=[dict(WEATHER_TAG["structures"][0])])
+    only["structures"][0]["schema"] = {
+        "type": "object",
+        "properties": {"city": city},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tag = grammar("structural_tag", json.dumps(only))
+    prompt = chat(
+        "Call the weather tool for Oslo. Use exactly this format: "
+        '<function=get_weather>{"city": "Oslo"}</function>'
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=60)
+    [free] = engine.generate([prompt], greedy)
+    [out] = engine.generate([prompt], dataclasses.replace(greedy, grammar=tag))
+    begin, end = "<function=get_weather>", "</function>"
+    assert '{"city": "Oslo"}' in free.text, free.text  # what the model writes unconstrained
+    assert begin in out.text, out.text
+    head = out.text.split(begin)[0]
+    assert free.text.startswith(head), (free.text, out.text)  # free text as it was
+    for part in out.text.split(begin)[1:]:
+        body, closed, _ = part.partition(end)
+        if closed:
+            assert json.loads(body)["city"] in city["enum"], out.text
+        else:
+            assert out.finish_reason is FinishReason.LENGTH, out.text

@@ -24,6 +24,11 @@ from tests.conftest import RunningServer
 from tests.support.schemas import PERSON
 
 TIMEOUT = 30
+STRUCTURAL_TAG = {
+    "type": "structural_tag",
+    "structures": [{"begin": "<f=w>", "schema": PERSON, "end": "</f>"}],
+    "triggers": ["<f="],
+}
 
 
 def _generate(running: RunningServer, **constraint) -> list[pb.GenerateResponse]:
@@ -37,6 +42,13 @@ def _error(call) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         call()
     return info.value
+
+
+def test_v1_structural_tag_reaches_the_engine_compiled(served: RunningServer) -> None:
+    constraint = pb.Constraint(structural_tag=json.dumps(STRUCTURAL_TAG))
+    assert _generate(served, constraint=constraint)[-1].HasField("complete")
+    [params] = served.engine.params.values()
+    assert params.grammar.constraint.kind == "structural_tag"
 
 
 def test_v1_constraint_reaches_the_engine_compiled(served: RunningServer) -> None:
@@ -64,7 +76,12 @@ def test_v1_constraint_reaches_the_engine_compiled(served: RunningServer) -> Non
         (pb.Constraint(grammar="start: foo"), "constraint.grammar", "unknown name"),
         (pb.Constraint(choice=pb.Choice()), "constraint.choice.choices", "at least one"),
         (pb.Constraint(json_object=False), "constraint.json_object", "must be true"),
-        (pb.Constraint(structural_tag="{}"), "constraint.structural_tag", "not supported"),
+        (pb.Constraint(structural_tag="{}"), "constraint.structural_tag", "'structures'"),
+        (
+            pb.Constraint(structural_tag='{"structures": [{"begin": "<f>"}], "triggers": ["<g"]}'),
+            "constraint.structural_tag",
+            "starts with no trigger",
+        ),
         (pb.Constraint(), "constraint", "one of its kinds"),
     ],
 )
@@ -107,6 +124,7 @@ def test_v1_model_info_reports_the_constraints(served: RunningServer) -> None:
         "regex",
         "grammar",
         "choice",
+        "structural_tag",
     }
     assert info.grammar_library.startswith("llguidance ")
     assert info.grammar_compile_timeout_seconds > 0 and info.grammar_cache_size > 0
@@ -129,6 +147,7 @@ def _worker_request(**sampling) -> vpb.GenerateRequest:
         ({"regex": "[a-z]+"}, "regex"),
         ({"grammar": 'root ::= "yes" | "no"'}, "grammar"),
         ({"choice": vpb.ChoiceConstraint(choices=["a", "b"])}, "choice"),
+        ({"structural_tag": json.dumps(STRUCTURAL_TAG)}, "structural_tag"),
     ],
 )
 def test_worker_maps_every_constraint(served: RunningServer, sampling: dict, kind: str) -> None:
