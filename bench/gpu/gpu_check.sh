@@ -62,7 +62,7 @@ MIN_STEP_S=20
 # The gpu-marked tests, by file: collecting all of tests/ would import modules that need
 # packages the image lacks (cryptography, jsonschema, opentelemetry, ...) and fail.
 # tests/bench/test_gpu_check.py collects these files with those packages made unimportable.
-KERNEL_TEST_FILES=(tests/kernels/test_kernels_gpu.py)
+KERNEL_TEST_FILES=(tests/kernels/test_kernels_gpu.py tests/kernels/test_kernels_gpu_window.py)
 ENGINE_TEST_FILES=(tests/engine/test_engine_gpu.py tests/engine/test_sampler.py)
 
 mkdir -p "$OUT"

@@ -147,7 +147,12 @@ def test_the_gpu_steps_import_and_collect_with_only_the_image_and_the_wheels(tmp
     [counts] = re.findall(r"^(\d+)/(\d+) tests collected.*$", log, re.MULTILINE)
     assert int(counts[0]) > 50  # the gpu-marked tests (the rest deselected)
     assert "error" not in log.lower()
-    for test in ("test_engine_gpu.py::", "test_kernels_gpu.py::", "test_sampler.py::"):
+    for test in (
+        "test_engine_gpu.py::",
+        "test_kernels_gpu.py::",
+        "test_kernels_gpu_window.py::",
+        "test_sampler.py::",
+    ):
         assert test in log
 
 
