@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+import compute.sampler as sampler_module
 from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
 from compute.penalties import Penalties
@@ -434,3 +435,31 @@ def test_cuda_seeded_invariance_and_logprobs() -> None:
     tokens, logprobs = Sampler(SEED_VOCAB).sample(logits, seqs)
     assert tokens[2] == int(logits[2].argmax())
     assert logprobs[-1] is not None and len(logprobs[-1].top) == 5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_candidate_cut_keeps_what_the_full_sort_keeps(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """The CPU cut among each row's best candidates (two tiers, then the full sort) keeps
+    exactly the tokens (and logits) of the full stable sort, with ties (rounded logits),
+    -inf tokens, every mix of top-k/top-p/off rows, and nuclei wider than the candidates
+    (those rows fall back)."""
+    monkeypatch.setattr(sampler_module, "_CANDIDATES", (8, 16))
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab = 64, 100
+    logits = torch.randn(rows, vocab, generator=gen) * (1 + 3 * torch.rand(rows, 1, generator=gen))
+    logits[: rows // 2] = logits[: rows // 2].round()  # ties, also at the candidates' edge
+    logits[::5, ::3] = float("-inf")
+    logits[7, 1:] = float("-inf")  # a single allowed token
+    top_k = torch.tensor([(1, 3, 8, 9, 50, vocab)[i % 6] for i in range(rows)])
+    top_p = torch.tensor([(0.0, 0.3, 0.6, 0.9, 0.999, 1.0)[(i // 6) % 6] for i in range(rows)])
+    exact = [0, 0]  # rows cut exactly among 8 candidates, among 16
+    for k, p in ((top_k, top_p), (None, top_p), (top_k, None)):
+        ours = sampler_module.apply_top_k_top_p(logits, k, p)
+        reference = sampler_module._top_k_top_p_sorted(logits, k, p)
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(reference))
+        assert torch.equal(ours[torch.isfinite(ours)], reference[torch.isfinite(reference)])
+        for tier, c in enumerate((8, 16)):
+            exact[tier] += int(sampler_module._cut_among_candidates(logits, k, p, c)[1].sum())
+    assert 0 < exact[0] < exact[1] < 3 * rows  # both tiers and the full sort ran
