@@ -6,9 +6,11 @@
    forked samples' prompt length - 1, or prefix-cache hits), samples forked and not,
    client-side time to the first event and to the end. The n requests at once are
    admitted in one step, so none reuses another's blocks.
-2. The sampler alone on [batch, vocab] logits (batch 1 and 32): median time of
-   ``sample_on_device`` with no logit_bias/min_tokens, with one row asking (300 biased
-   ids and min_tokens), and with every row asking.
+2. The sampler alone on [batch, vocab] logits (batch 1 and 32, temperature 0.7, top-p
+   0.9): median time of ``sample_on_device`` with no logit_bias/min_tokens, with one row
+   asking (300 biased ids and min_tokens), and with every row asking; on random logits
+   (flat: every row's nucleus is most of the vocabulary, the top-p cut's worst case) and
+   on the default model's own logits over a text (transformers reading the same file).
 
 One run each after a warm-up; on a shared machine the figures carry the neighbours' load
 (the JSON records the load average). Run by hand:
@@ -92,8 +94,27 @@ def samples_vs_requests(engine: Engine, n: int, prompt: str, max_tokens: int) ->
         pipeline.stop()
 
 
-def sampler_cost(vocab: int, batch: int, repeats: int) -> dict[str, float]:
-    logits = torch.randn((batch, vocab), generator=torch.Generator().manual_seed(0))
+def model_logits(rows: int) -> torch.Tensor:
+    """The default model's logits at ``rows`` positions 16 apart over a text (this
+    benchmark's sentence and the README), as transformers computes them from the file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compute.loaders.default_model import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    ids = tokenizer(TEXT + readme, return_tensors="pt").input_ids[:, : 16 * rows]
+    with torch.inference_mode():
+        return model(ids).logits[0, ::16][:rows].clone()
+
+
+def sampler_cost(logits: torch.Tensor, batch: int, repeats: int) -> dict[str, float]:
+    logits = logits[:batch].contiguous()
+    vocab = logits.shape[1]
     plain = SamplingParams(temperature=0.7, top_p=0.9)
     asking = SamplingParams(
         temperature=0.7, top_p=0.9, min_tokens=8, logit_bias=tuple((i, 1.0) for i in range(300))
@@ -137,8 +158,14 @@ def main() -> None:
         runs[label] = samples_vs_requests(engine, args.n, prompt, args.max_tokens)
     payload = {"samples_vs_requests": runs}
     if not args.skip_sampler:
-        sampler = {f"batch {b}": sampler_cost(vocab, b, args.repeats) for b in (1, 32)}
-        payload["sampler_ms"] = sampler
+        flat = torch.randn((32, vocab), generator=torch.Generator().manual_seed(0))
+        real = model_logits(32)
+        payload["sampler_ms"] = {
+            f"batch {b}": sampler_cost(flat, b, args.repeats) for b in (1, 32)
+        }  # random logits
+        payload["sampler_ms_model_logits"] = {
+            f"batch {b}": sampler_cost(real, b, args.repeats) for b in (1, 32)
+        }
     payload["load_average_after"] = load_average()
     publish("samples", payload, settings=vars(args))
 
