@@ -57,8 +57,10 @@ _SIGNATURES = {
 KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 # Fields per layer of decoder_table (kernels/csrc/cpu/decoder.cpp kLayerFields).
 _LAYER_FIELDS = 36
-# The MoE fields of a layer's row in that table (kLayerFields' last seven).
+# The MoE fields of a layer's row in that table (its last seven: router first), and those
+# of them that make its moe_shape (experts, top_k, expert intermediate size).
 _MOE_FIELDS = slice(29, 36)
+_MOE_SHAPE_FIELDS = [30, 31, 34]
 
 
 @functools.cache
@@ -518,7 +520,7 @@ def decoder_layers(
         if tokens and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
             raise ValueError(f"positions must be in [0, {cos.shape[0]})")
         moe_rows = table[:, _MOE_FIELDS.start] != 0
-        shapes = {tuple(r) for r in table[moe_rows][:, [30, 31, 34]].tolist()}
+        shapes = {tuple(r) for r in table[moe_rows][:, _MOE_SHAPE_FIELDS].tolist()}
         if shapes != ({moe} if moe else set()):
             raise ValueError(f"moe: the table's MoE layers are {shapes or 'none'}, not {moe}")
     qkv = torch.empty(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.float32)
@@ -526,7 +528,7 @@ def decoder_layers(
     tmp = torch.empty(tokens, h, dtype=torch.float32)
     gate_up = torch.empty(tokens, 2 * intermediate, dtype=torch.float32)
     act = torch.empty(tokens, intermediate, dtype=torch.float32)
-    scratch, int_scratch = moe_scratch(tokens, h, moe) if moe else (act, act)  # (unread)
+    scratch, int_scratch = moe_scratch(tokens, h, moe) if moe else (None, None)
     if tokens:
         library().hr_decoder_layers(
             table.data_ptr(), table.shape[0], int(int8), x.data_ptr(), hidden.data_ptr(),
@@ -536,8 +538,8 @@ def decoder_layers(
             meta.query_start_loc.data_ptr(), meta.num_seqs, block_size,
             meta.block_tables.shape[1], scale,
             qkv.data_ptr(), q.data_ptr(), attn.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(),
-            act.data_ptr(), KV_DTYPE_CODES[key_cache.dtype], scratch.data_ptr(),
-            int_scratch.data_ptr(),
+            act.data_ptr(), KV_DTYPE_CODES[key_cache.dtype],
+            *(None if t is None else t.data_ptr() for t in (scratch, int_scratch)),
         )  # fmt: skip
     return x
 
