@@ -166,19 +166,18 @@ class LlamaModel:
         # Every layer in one kernel call (kernels/cpu/launch.py decoder_layers) when every
         # projection is quantized: bit-identical to the per-op path, ~1.4 ms less Python
         # per step. Tests turn it off to compare the two.
-        # Per-head q/k norms (Qwen3, Gemma 3) and Gemma's deltas (output norms, GeGLU, the
-        # attention soft-cap, the sliding layers' RoPE tables) are in it; mixture-of-experts
-        # layers are not.
+        # Per-head q/k norms (Qwen3, Gemma 3), Gemma's deltas (output norms, GeGLU, the
+        # attention soft-cap, the sliding layers' RoPE tables) and mixture-of-experts layers
+        # whose experts have a kernel table (router and experts, compute/moe.py) are in it.
         self.fused_layers = (
             native
-            and not config.num_experts  # the experts run per op (compute/moe.py)
             and config.hidden_act in ("silu", "gelu_tanh")
-            and all(
-                p.quantized is not None
-                for layer in self.layers
-                for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-            )
+            and all(_fusable(layer) for layer in self.layers)
         )
+        # The fused call's MLP shapes: the dense layers' (0: none), the MoE layers'.
+        dense = any(layer.moe is None for layer in self.layers)
+        self._dense_inter = config.intermediate_size if dense else 0
+        self._moe_shape = next(filter(None, map(cpu.moe_shape, self.layers)), None)
         self._table: tuple[tuple[int, ...], torch.Tensor] | None = None  # (cache ptrs, table)
 
     @torch.inference_mode()
@@ -199,7 +198,7 @@ class LlamaModel:
             return cpu.decoder_layers(
                 self._decoder_table(kv_caches), self.int8, x, hidden, positions,
                 self.rope.cos, self.rope.sin, key_cache, value_cache, meta, cfg.num_heads,
-                cfg.intermediate_size, cfg.rms_norm_eps, self.scale,
+                self._dense_inter, cfg.rms_norm_eps, self.scale, moe=self._moe_shape,
             )  # fmt: skip
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm, (key_cache, value_cache) in zip(
@@ -318,6 +317,14 @@ class LlamaModel:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)
+
+
+def _fusable(layer: LayerWeights) -> bool:
+    """Whether hr_decoder_layers can run the layer: every projection quantized, a MoE
+    MLP's experts in one kernel table (compute/moe.py)."""
+    mlp = (layer.gate_up, layer.down) if layer.moe is None else ()
+    quantized = all(p.quantized is not None for p in (layer.qkv, layer.o_proj, *mlp))
+    return quantized and (layer.moe is None or layer.moe.table is not None)
 
 
 def _fuse_layer(

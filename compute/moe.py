@@ -11,11 +11,18 @@ an expert no token chose is not read at all. Every expert's projections are
 compute.model.Projection objects, so a GGUF file's experts stay in their blocks on the
 CPU kernels, in either numerics (--weights quantized / quantized-int8).
 
+Two implementations: on the CPU kernels (``native``) the router is one kernel call
+(kernels/csrc/cpu/moe.cpp) and, when every expert is in one block format (``table``),
+router and experts are one call, the code hr_decoder_layers runs for a MoE layer (so the
+per-op and the fused paths give the same bits); otherwise torch (the reference: the
+router below, the experts grouped here).
+
 Batch invariance: a token's router logits are each one reduction over the hidden size
-in a fixed order (a broadcast multiply and sum, not a matmul whose blocking depends on
-the row count), softmax and top-k are per row, the quantized kernels compute each row
-alone (kernels/csrc/cpu/quant_linear.cpp), and each token's sum over its experts runs in
-expert order: the same token gives the same bits alone, in any batch, chunked or whole.
+in a fixed order (torch: a broadcast multiply and sum, not a matmul whose blocking
+depends on the row count; the kernel: one fixed-order dot product), softmax and top-k are
+per row, the quantized kernels compute each row alone
+(kernels/csrc/cpu/quant_linear.cpp), and each token's sum over its experts runs in expert
+order: the same token gives the same bits alone, in any batch, chunked or whole.
 """
 
 from __future__ import annotations
@@ -52,7 +59,10 @@ class MoE:
         self.router = router.contiguous()
         self.experts = experts
         self.top_k, self.normalize, self.native = top_k, normalize, native
-        self.expert_runs = 0  # experts run so far, each once per step it was chosen in
+        # Experts run so far, each once per step it was chosen in (expert_runs): counted by
+        # the kernels into `runs`, by the per-op loop below into `_loop_runs`.
+        self.runs = torch.zeros(1, dtype=torch.int64)
+        self._loop_runs = 0
         # Every expert in one kernel call per step (kernels/csrc/cpu/moe.cpp), when each
         # projection is one block format; else (dense weights, stacked formats) per op.
         self.table = cpu.moe_table(experts) if native else None
@@ -61,8 +71,15 @@ class MoE:
         if self.table is not None:
             self.inter = experts[0].down.quantized.cols
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def expert_runs(self) -> int:
+        """Experts run so far, each once per step it was chosen in."""
+        return self._loop_runs + int(self.runs[0])
+
+    def route(self, x: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k] int64) of each token."""
+        if self.native:
+            return cpu.moe_route(self.router, x, self.top_k, self.normalize, check)
         w = self.router
         logits = torch.cat(
             [
@@ -78,10 +95,12 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, check: bool = True) -> torch.Tensor:
         """x [T, H] (the normed hidden states) -> the MLP's output [T, H]."""
-        weights, ids = self.route(x)
         if self.table is not None:
-            self.expert_runs += int(torch.unique(ids).numel())
-            return cpu.moe_experts(self.table, self.int8, x, ids, weights, self.inter, check)
+            return cpu.moe(
+                self.router, self.table, self.int8, x, self.top_k, self.normalize, self.inter,
+                self.runs, check,
+            )  # fmt: skip
+        weights, ids = self.route(x, check)
         out = torch.zeros_like(x)
         # Tokens grouped by expert, in ascending expert order (a stable sort keeps each
         # expert's tokens in batch order).
@@ -96,7 +115,7 @@ class MoE:
             picks = order[start : start + count]
             rows = tokens[start : start + count]
             start += count
-            self.expert_runs += 1
+            self._loop_runs += 1
             y = self._expert(self.experts[e], x.index_select(0, rows), check)
             y.mul_(weights.reshape(-1).index_select(0, picks).unsqueeze(1))
             out.index_add_(0, rows, y)

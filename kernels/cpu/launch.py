@@ -39,18 +39,28 @@ _SIGNATURES = {
     "hr_paged_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _F),
     "hr_rope_and_cache": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I),
     "hr_set_num_threads": (_I,),
-    # table, experts, int8, x, tokens, h, inter, top_k, ids, weights, out, four scratch buffers
-    "hr_moe_experts": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P),
-    # layers .. eps, positions .. scale, six scratch buffers, the KV dtype
+    # tokens, h, inter, top_k, experts, sizes out
+    "hr_moe_scratch_size": (_I, _I, _I, _I, _I, _P),
+    # router, experts, x, tokens, h, top_k, normalize, probs scratch, ids, weights
+    "hr_moe_route": (_P, _I, _P, _I, _I, _I, _I, _P, _P, _P),
+    # table, experts, int8, x, tokens, h, inter, top_k, ids, weights, out, scratch, runs
+    "hr_moe_experts": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P),
+    # router, experts, top_k, normalize, table, int8, x, tokens, h, inter, out, scratch, runs
+    "hr_moe": (_P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _P, _P, _P, _P),
+    # layers .. eps, positions .. scale, six scratch buffers, the KV dtype, MoE scratch
     "hr_decoder_layers": (_P, _I, _I, _P, _P, *[_I] * 6, _F, *[_P] * 7, _I, _I, _I, _F)
-    + (*[_P] * 6, _I),
+    + (*[_P] * 6, _I, _P, _P),
 }
 # The KV cache dtypes the kernels read and write (kernels/csrc/cpu/common.h KvDtype): K and
 # V are rounded to the cache dtype once, when written, and widened to fp32 when read. An
 # int8 cache row is head_dim codes and an fp32 scale (kernels/reference.py kv_row_width).
 KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 # Fields per layer of decoder_table (kernels/csrc/cpu/decoder.cpp kLayerFields).
-_LAYER_FIELDS = 29
+_LAYER_FIELDS = 36
+# The MoE fields of a layer's row in that table (its last seven: router first), and those
+# of them that make its moe_shape (experts, top_k, expert intermediate size).
+_MOE_FIELDS = slice(29, 36)
+_MOE_SHAPE_FIELDS = [30, 31, 34]
 
 
 @functools.cache
@@ -384,18 +394,21 @@ def decoder_table(
     block format, rows, bias or 0), post-attention norm, next input norm, K and V caches,
     sliding window (0 = none), per-head q and k norm weights (0 = none), then Gemma's
     deltas: attention- and MLP-output norms (0 = none), tanh-GELU (else SiLU), the
-    attention soft-cap's float bits (0 = none), and the RoPE (cos, sin) of the layers
-    marked ``local_rope`` (Gemma 3's sliding layers; 0 = the call's tables).
+    attention soft-cap's float bits (0 = none), the RoPE (cos, sin) of the layers
+    marked ``local_rope`` (Gemma 3's sliding layers; 0 = the call's tables), and a
+    mixture-of-experts layer's MLP (_moe_fields; all 0 on a dense layer).
 
     ``layers``: compute.model.LayerWeights whose projections are all quantized, in the
-    layout their kernel reads (checked here, once per table, not per step)."""
+    layout their kernel reads, and whose experts have a table (compute/moe.py; checked
+    here, once per table, not per step)."""
     table = torch.zeros(len(layers), _LAYER_FIELDS, dtype=torch.int64)
     norms = [layer.input_norm for layer in layers[1:]] + [final_norm]
     for i, (layer, next_norm, (key_cache, value_cache)) in enumerate(
         zip(layers, norms, kv_caches, strict=True)
     ):
         row = []
-        for projection in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+        mlp = (layer.gate_up, layer.down) if layer.moe is None else ()
+        for projection in (layer.qkv, layer.o_proj, *mlp):
             weight, bias = projection.quantized, projection.bias
             if weight is None or weight.tiled_layout != projection.int8:
                 raise ValueError("layers: every projection must be quantized, in its layout")
@@ -403,6 +416,7 @@ def decoder_table(
                 _check("bias", bias, torch.float32, (weight.rows,))
             bias_ptr = 0 if bias is None else bias.data_ptr()
             row += [weight.data.data_ptr(), weight.format.code, weight.rows, bias_ptr]
+        row += [0] * 8 * (layer.moe is not None)  # no dense gate|up and down
         for name, t in (("post_norm", layer.post_norm), ("next_norm", next_norm)):
             _check(name, t, torch.float32, (layer.qkv.quantized.cols,))
         if key_cache.dtype != kv_caches[0][0].dtype:
@@ -432,8 +446,34 @@ def decoder_table(
             row += [cos.data_ptr(), sin.data_ptr()]
         else:
             row += [0, 0]
+        row += _moe_fields(layer.moe, layer.qkv.int8)
         table[i] = torch.tensor(row, dtype=torch.int64)
+    if len({s for s in map(moe_shape, layers) if s is not None}) > 1:
+        raise ValueError("layers: every mixture-of-experts layer must have one shape")
     return table
+
+
+def moe_shape(layer) -> tuple[int, int, int] | None:
+    """(experts, top_k, expert intermediate size) of a layer's MoE MLP; None: dense."""
+    moe = layer.moe
+    return None if moe is None else (len(moe.experts), moe.top_k, moe.inter)
+
+
+def _moe_fields(moe, int8: bool) -> list[int]:
+    """A layer's MoE fields of decoder_table: router [E, H] pointer, E, top_k, normalize,
+    experts' table pointer, expert intermediate size, its run counter's pointer (0s: no
+    MoE). ``moe``: a compute.moe.MoE or None."""
+    if moe is None:
+        return [0] * (_MOE_FIELDS.stop - _MOE_FIELDS.start)
+    if moe.table is None or moe.int8 != int8:
+        raise ValueError("layers: every expert must be quantized, in its layout (moe_table)")
+    experts = moe.table.shape[0]
+    _check("router", moe.router, torch.float32, (experts, moe.experts[0].gate_up.quantized.cols))
+    _check("expert_runs", moe.runs, torch.int64, (1,))
+    return [
+        moe.router.data_ptr(), experts, moe.top_k, int(moe.normalize), moe.table.data_ptr(),
+        moe.inter, moe.runs.data_ptr(),
+    ]  # fmt: skip
 
 
 def decoder_layers(
@@ -452,13 +492,16 @@ def decoder_layers(
     eps: float,
     scale: float,
     check: bool = True,
+    moe: tuple[int, int, int] | None = None,
 ) -> Tensor:
     """Every decoder layer in one call (kernels/csrc/cpu/decoder.cpp): x [T, H] is the first
     layer's normed input, hidden [T, H] the residual stream (updated in place); returns the
     output after the final norm. Bit-identical to the per-op launchers in the same order.
 
     ``key_cache``/``value_cache``: the first layer's, for the checks (every layer's cache
-    has their shape: decoder_table). Needs every query row in a sequence (no padding)."""
+    has their shape: decoder_table). Needs every query row in a sequence (no padding).
+    ``intermediate``: the dense layers' MLP size; ``moe``: the MoE layers' moe_shape (None:
+    none)."""
     tokens, h = x.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     head_dim = reference.kv_head_dim(key_cache)
@@ -476,11 +519,16 @@ def decoder_layers(
             raise ValueError("meta: every query row must belong to a sequence")
         if tokens and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
             raise ValueError(f"positions must be in [0, {cos.shape[0]})")
+        moe_rows = table[:, _MOE_FIELDS.start] != 0
+        shapes = {tuple(r) for r in table[moe_rows][:, _MOE_SHAPE_FIELDS].tolist()}
+        if shapes != ({moe} if moe else set()):
+            raise ValueError(f"moe: the table's MoE layers are {shapes or 'none'}, not {moe}")
     qkv = torch.empty(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.float32)
     attn = torch.empty(tokens, num_heads * head_dim, dtype=torch.float32)
     tmp = torch.empty(tokens, h, dtype=torch.float32)
     gate_up = torch.empty(tokens, 2 * intermediate, dtype=torch.float32)
     act = torch.empty(tokens, intermediate, dtype=torch.float32)
+    scratch, int_scratch = moe_scratch(tokens, h, moe) if moe else (None, None)
     if tokens:
         library().hr_decoder_layers(
             table.data_ptr(), table.shape[0], int(int8), x.data_ptr(), hidden.data_ptr(),
@@ -491,6 +539,7 @@ def decoder_layers(
             meta.block_tables.shape[1], scale,
             qkv.data_ptr(), q.data_ptr(), attn.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(),
             act.data_ptr(), KV_DTYPE_CODES[key_cache.dtype],
+            *(None if t is None else t.data_ptr() for t in (scratch, int_scratch)),
         )  # fmt: skip
     return x
 
@@ -498,9 +547,11 @@ def decoder_layers(
 def moe_table(experts: list) -> Tensor | None:
     """The int64 [E, 4] table hr_moe_experts reads (each expert's gate|up and down: block
     pointer, format), or None when some projection is not a single block format (dense,
-    or a stack of formats): those run per op (compute/moe.py).
+    or a stack of formats): those run per op (compute/moe.py); None for no experts.
 
     ``experts``: compute.moe.Expert objects, their projections in their kernel's layout."""
+    if not experts:
+        return None
     rows = []
     for expert in experts:
         row = []
@@ -513,13 +564,72 @@ def moe_table(experts: list) -> Tensor | None:
     return torch.tensor(rows, dtype=torch.int64)
 
 
+def moe_scratch(tokens: int, h: int, shape: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
+    """The float and int64 scratch of the MoE kernels for ``tokens`` rows of hidden size
+    ``h`` and moe_shape ``shape`` (kernels/csrc/cpu/moe.cpp hr_moe_scratch_size)."""
+    experts, top_k, inter = shape
+    sizes = (ctypes.c_int64 * 2)()
+    library().hr_moe_scratch_size(tokens, h, inter, top_k, experts, sizes)
+    return torch.empty(sizes[0], dtype=torch.float32), torch.empty(sizes[1], dtype=torch.int64)
+
+
+def moe_route(
+    router: Tensor, x: Tensor, top_k: int, normalize: bool, check: bool = True
+) -> tuple[Tensor, Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int64) of each row of x [T, H]: softmax of
+    the router logits x . router[e] ([E, H]), the top k (ties to the lower id), renormalised
+    to sum to 1 when ``normalize`` (kernels/csrc/cpu/moe.cpp)."""
+    tokens, h = x.shape
+    experts = router.shape[0]
+    if check:
+        _check("x", x, torch.float32, (tokens, h))
+        _check("router", router, torch.float32, (experts, h))
+        if not 0 < top_k <= experts:
+            raise ValueError(f"top_k must be in [1, {experts}], got {top_k}")
+    probs = torch.empty(tokens, experts, dtype=torch.float32)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64)
+    library().hr_moe_route(
+        router.data_ptr(), experts, x.data_ptr(), tokens, h, top_k, int(normalize),
+        probs.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+    )  # fmt: skip
+    return weights, ids
+
+
+def moe(
+    router: Tensor, table: Tensor, int8: bool, x: Tensor, top_k: int, normalize: bool,
+    inter: int, runs: Tensor, check: bool = True,
+) -> Tensor:  # fmt: skip
+    """A mixture-of-experts MLP in one call: moe_route, then moe_experts (the same bits as
+    the two launchers); runs [1] int64 += the number of experts run."""
+    tokens, h = x.shape
+    experts = table.shape[0]
+    if check:
+        _check("x", x, torch.float32, (tokens, h))
+        _check("router", router, torch.float32, (experts, h))
+        _check("table", table, torch.int64, (experts, 4))
+        _check("runs", runs, torch.int64, (1,))
+        if not 0 < top_k <= experts:
+            raise ValueError(f"top_k must be in [1, {experts}], got {top_k}")
+    out = torch.empty(tokens, h, dtype=torch.float32)
+    if tokens:
+        scratch, int_scratch = moe_scratch(tokens, h, (experts, top_k, inter))
+        library().hr_moe(
+            router.data_ptr(), experts, top_k, int(normalize), table.data_ptr(), int(int8),
+            x.data_ptr(), tokens, h, inter, out.data_ptr(), scratch.data_ptr(),
+            int_scratch.data_ptr(), runs.data_ptr(),
+        )  # fmt: skip
+    return out
+
+
 def moe_experts(
     table: Tensor, int8: bool, x: Tensor, ids: Tensor, weights: Tensor, inter: int,
-    check: bool = True,
+    check: bool = True, runs: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """x [T, H] -> [T, H]: each token's experts ``ids`` [T, k] (int64) run on it, their
     outputs times ``weights`` [T, k] summed in ascending expert order
-    (kernels/csrc/cpu/moe.cpp); each expert some token chose is read once."""
+    (kernels/csrc/cpu/moe.cpp); each expert some token chose is read once. ``runs`` [1]
+    int64, if given, += the number of experts run."""
     tokens, h = x.shape
     top_k = ids.shape[1]
     if check:
@@ -527,16 +637,16 @@ def moe_experts(
         _check("ids", ids, torch.int64, (tokens, top_k))
         _check("weights", weights, torch.float32, (tokens, top_k))
         _check("table", table, torch.int64, (None, 4))
+        if runs is not None:
+            _check("runs", runs, torch.int64, (1,))
         if tokens and not 0 <= int(ids.min()) <= int(ids.max()) < table.shape[0]:
             raise ValueError(f"ids must be in [0, {table.shape[0]})")
     out = torch.zeros(tokens, h, dtype=torch.float32)
     if tokens:
-        # An expert runs on at most every token once.
-        xs, ys = torch.empty(tokens, h), torch.empty(tokens, h)
-        gate_up, act = torch.empty(tokens, 2 * inter), torch.empty(tokens, inter)
+        scratch, int_scratch = moe_scratch(tokens, h, (table.shape[0], top_k, inter))
         library().hr_moe_experts(
             table.data_ptr(), table.shape[0], int(int8), x.data_ptr(), tokens, h, inter, top_k,
-            ids.data_ptr(), weights.data_ptr(), out.data_ptr(), xs.data_ptr(),
-            gate_up.data_ptr(), act.data_ptr(), ys.data_ptr(),
+            ids.data_ptr(), weights.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+            int_scratch.data_ptr(), None if runs is None else runs.data_ptr(),
         )  # fmt: skip
     return out

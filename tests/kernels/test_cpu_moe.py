@@ -90,3 +90,52 @@ def test_mixed_formats_in_one_expert_fall_back_to_per_op() -> None:
     moe = MoE(torch.randn(EXPERTS, H), experts, TOP_K, normalize=False, native=True)
     assert moe.table is None
     assert moe(_x(4)).shape == (4, H)
+
+
+def _reference_route(router, x, top_k, normalize, higher_ties=False):
+    """compute/moe.py's torch router, with torch.topk (whose order among equal values is
+    unspecified) replaced by a stable sort: ties to the lower expert id (or the higher)."""
+    moe = MoE(router, [], top_k, normalize, native=False)
+    logits = torch.cat([(x[i : i + 16, None, :] * router).sum(-1) for i in range(0, len(x), 16)])
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if higher_ties:
+        probs = probs.flip(-1)
+    top, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top, ids = top[:, :top_k], ids[:, :top_k]
+    if higher_ties:
+        ids = router.shape[0] - 1 - ids
+    if normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    assert moe.table is None
+    return top, ids
+
+
+@pytest.mark.parametrize(
+    ("experts", "top_k", "normalize", "h"),
+    [(64, 8, True, 1024), (8, 2, True, 256), (10, 3, False, 200), (16, 4, True, 40)],
+)
+def test_the_router_kernel_chooses_the_torch_routers_experts(experts, top_k, normalize, h):
+    """The kernel's router (kernels/csrc/cpu/moe.cpp) against the torch one on random inputs:
+    the same experts in the same order, weights within float rounding; with forced ties
+    (repeated router rows), the lower expert id first, which a rule sending ties to the
+    higher id would not give."""
+    g = torch.Generator().manual_seed(experts)
+    router = torch.randn(experts, h, generator=g) * 0.05
+    x = torch.randn(150, h, generator=g)
+    native = MoE(router, [], top_k, normalize, native=True)
+    weights, ids = native.route(x)
+    torch_weights, torch_ids = MoE(router, [], top_k, normalize, native=False).route(x)
+    assert torch.equal(ids, torch_ids)
+    torch.testing.assert_close(weights, torch_weights, rtol=2e-6, atol=1e-7)
+
+    tied = router[torch.arange(experts) // 3 * 3].contiguous()  # experts 0-2 alike, 3-5, ...
+    weights, ids = MoE(tied, [], top_k, normalize, native=True).route(x)
+    ref_weights, ref_ids = _reference_route(tied, x, top_k, normalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=2e-6, atol=1e-7)
+    higher = _reference_route(tied, x, top_k, normalize, higher_ties=True)[1]
+    assert not torch.equal(higher.sort(-1).values, ids.sort(-1).values)
+    # Alone or in any batch: the same bits.
+    alone = [MoE(tied, [], top_k, normalize, native=True).route(x[i : i + 1]) for i in range(9)]
+    assert torch.equal(torch.cat([w for w, _ in alone]), weights[:9])
+    assert torch.equal(torch.cat([i for _, i in alone]), ids[:9])

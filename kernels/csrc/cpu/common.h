@@ -164,6 +164,12 @@ HR_EXPORT void hr_silu_mul(const float* gate_up, float* out, int64_t n, int64_t 
 HR_EXPORT void hr_head_rms_norm(float* x, const float* weight, int64_t n, int64_t row_stride,
                                 int64_t heads, int64_t dim, float eps);
 HR_EXPORT void hr_gelu_tanh_mul(const float* gate_up, float* out, int64_t n, int64_t inter);
+// A mixture-of-experts MLP (moe.cpp): the router, then the chosen experts, into out [T, h]
+// (overwritten); *runs += the number of experts run. Scratch of hr_moe_scratch_size.
+HR_EXPORT void hr_moe(const float* router, int64_t num_experts, int64_t top_k, int64_t normalize,
+                      const int64_t* table, int64_t int8, const float* x, int64_t tokens,
+                      int64_t h, int64_t inter, float* out, float* scratch, int64_t* int_scratch,
+                      int64_t* runs);
 
 // A stack of weights of different formats (fused q|k|v of a Q4_K_M file: Q6_K v rows
 // beside Q4_K q and k): w is int64 [parts, then per part format, weight, rows]. Calls

@@ -10,7 +10,10 @@
 // the fused q|k|v row before RoPE as compute/model.py's _qk_norm does, and Gemma's deltas:
 // the RMSNorms of the attention and MLP outputs before each residual add (0 = none), the
 // MLP's activation (0 SiLU, 1 tanh GELU), the attention soft-cap (a float's bits; 0 =
-// none) and the layer's own RoPE tables (Gemma 3's sliding layers; 0 = the call's).
+// none) and the layer's own RoPE tables (Gemma 3's sliding layers; 0 = the call's); then a
+// mixture-of-experts layer's MLP (0 router = a dense MLP, from the gate|up and down
+// fields): router weight [E, H], E, top_k, whether the top_k are renormalised, the experts'
+// table (moe.cpp), the experts' intermediate size and the int64 its runs are added to.
 #include <cstring>
 
 #include "common.h"
@@ -21,7 +24,8 @@ enum Field : int64_t {
   kQkv = 0, kO = 4, kGateUp = 8, kDown = 12,  // each: weight, format, rows, bias
   kPostNorm = 16, kNextNorm = 17, kKeyCache = 18, kValueCache = 19, kWindow = 20,
   kQNorm = 21, kKNorm = 22, kAttnOutNorm = 23, kMlpOutNorm = 24, kGelu = 25, kSoftcap = 26,
-  kCos = 27, kSin = 28, kLayerFields = 29,
+  kCos = 27, kSin = 28, kMoeRouter = 29, kMoeExperts = 30, kMoeTopK = 31, kMoeNormalize = 32,
+  kMoeTable = 33, kMoeInter = 34, kMoeRuns = 35, kLayerFields = 36,
 };
 
 template <class T>
@@ -57,8 +61,9 @@ inline void out_norm(const int64_t* layer, int64_t field, float* y, int64_t toke
 // x [T, H]: the first layer's normed input; on return the last layer's output after the
 // final norm. hidden [T, H]: the residual stream, updated in place. Scratch: qkv
 // [T, (heads + 2 kv_heads) dim], q and attn [T, heads dim], tmp [T, H], gate_up [T, 2 I],
-// act [T, I]. Caches of kv_dtype (KvDtype). Attention metadata as hr_paged_attention takes
-// it; every query row must
+// act [T, I] (I: the dense layers' intermediate size), moe_scratch and moe_int_scratch
+// (hr_moe_scratch_size of the MoE layers' shape; unused without them). Caches of kv_dtype
+// (KvDtype). Attention metadata as hr_paged_attention takes it; every query row must
 // belong to a sequence (no padding rows).
 HR_EXPORT void hr_decoder_layers(const int64_t* layers, int64_t num_layers, int64_t int8,
                                  float* x, float* hidden, int64_t tokens, int64_t h,
@@ -69,7 +74,8 @@ HR_EXPORT void hr_decoder_layers(const int64_t* layers, int64_t num_layers, int6
                                  const int32_t* query_start, int64_t num_seqs,
                                  int64_t block_size, int64_t table_width, float scale,
                                  float* qkv, float* q, float* attn, float* tmp, float* gate_up,
-                                 float* act, int64_t kv_dtype) {
+                                 float* act, int64_t kv_dtype, float* moe_scratch,
+                                 int64_t* moe_int_scratch) {
   const bool q8 = int8 != 0;
   for (int64_t i = 0; i < num_layers; ++i) {
     const int64_t* layer = layers + i * kLayerFields;
@@ -92,9 +98,15 @@ HR_EXPORT void hr_decoder_layers(const int64_t* layers, int64_t num_layers, int6
     project(layer, kO, q8, attn, tokens, heads * dim, tmp);
     out_norm(layer, kAttnOutNorm, tmp, tokens, h, eps);
     hr_add_rms_norm(tmp, hidden, ptr<const float>(layer, kPostNorm), x, tokens, h, eps);
-    project(layer, kGateUp, q8, x, tokens, h, gate_up);
-    (layer[kGelu] ? hr_gelu_tanh_mul : hr_silu_mul)(gate_up, act, tokens, inter);
-    project(layer, kDown, q8, act, tokens, inter, tmp);
+    if (layer[kMoeRouter] != 0) {
+      hr_moe(ptr<const float>(layer, kMoeRouter), layer[kMoeExperts], layer[kMoeTopK],
+             layer[kMoeNormalize], ptr<const int64_t>(layer, kMoeTable), int8, x, tokens, h,
+             layer[kMoeInter], tmp, moe_scratch, moe_int_scratch, ptr<int64_t>(layer, kMoeRuns));
+    } else {
+      project(layer, kGateUp, q8, x, tokens, h, gate_up);
+      (layer[kGelu] ? hr_gelu_tanh_mul : hr_silu_mul)(gate_up, act, tokens, inter);
+      project(layer, kDown, q8, act, tokens, inter, tmp);
+    }
     out_norm(layer, kMlpOutNorm, tmp, tokens, h, eps);
     hr_add_rms_norm(tmp, hidden, ptr<const float>(layer, kNextNorm), x, tokens, h, eps);
   }
