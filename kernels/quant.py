@@ -7,14 +7,15 @@ the top of kernels/csrc/cpu/quant_linear.cpp); nothing is requantized, so every 
 dequantizes to exactly the fp32 value of ``gguf.quants.dequantize``. Q5_0, Q5_1 and the
 K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) and IQ4_NL / IQ4_XS (4-bit indices into
 a fixed table of 16 values; IQ4_XS in super-blocks of 256) keep the file's bytes unchanged
-(``file_order``): the exact kernel reads their blocks in place; of these only Q5_0 and
+(``file_order``): the exact kernel reads their blocks in place; of these Q5_0, Q4_K and
 Q6_K have a tiled layout (``INT8_FILE_ORDER``), the others are converted by ``for_int8``.
 
 The int8 kernel reads a second arrangement of the same bytes, ``tiled()``: rows in tiles
 of 16, each block's codes interleaved 4 at a time across the tile's rows (spelled out in
 quant_linear_int8.cpp), so one integer dot product per 64 bytes advances 16 rows' sums in
 their own lanes; a tile's scales follow its codes (Q5_0's 5th bits and Q6_K's top 2 bits
-follow each block's nibbles, as planes of their own).
+follow each block's nibbles, as planes of their own; Q4_K's packed 6-bit scales and mins
+are regrouped per tile, 12 bytes per super-block and row as in the file).
 
 ``dequantize`` here is the torch reference of both layouts (the kernels' test oracle).
 """
@@ -61,12 +62,14 @@ STACKED = BlockFormat("stacked", 8, 0, 0, 0, file_order=True)
 # Formats kept in file order (for the exact kernel) that the int8 kernel also reads, in its
 # tiled layout (quant_linear_int8.cpp): Q5_0 (the nibbles as Q4_0's, then a plane of 5th
 # bits) and Q6_K (the nibbles, then 2 vectors of top 2 bits; int8 sub-block scales, fp16 d).
-INT8_FILE_ORDER = frozenset({"q5_0", "q6_k"})
+# Q4_K: the nibbles as Q4_0's, the 6-bit scales and mins repacked per tile, fp16 d and dmin.
+INT8_FILE_ORDER = frozenset({"q5_0", "q4_k", "q6_k"})
 
 
 def _tiled_bytes(f: BlockFormat) -> tuple[int, int]:
     """Code bytes per block and row, and fp16 fields per block, in the tiled layout."""
-    return {"q5_0": (20, 1), "q6_k": (24, 0)}.get(f.name, (f.code_bytes, f.scale_fields))
+    table = {"q5_0": (20, 1), "q4_k": (16, 0), "q6_k": (24, 0)}
+    return table.get(f.name, (f.code_bytes, f.scale_fields))
 
 
 @dataclass(frozen=True)
@@ -158,23 +161,28 @@ class QuantizedWeight:
         return QuantizedWeight(first.format, data, data.shape[0], first.cols)
 
     def for_int8(self) -> QuantizedWeight:
-        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0, Q5_0, Q6_K), for
-        the formats kept in file order: Q5_0 and Q6_K stay as they are (the kernel reads
-        their codes in its tiled layout: the file's 22 bytes per 32 weights, 210 per 256);
-        Q4_K becomes Q4_1 (the same nibbles; each block's d * sc and -dmin * m rounded to
-        fp16, a relative change below 2^-11 of the block's scale); Q5_1, Q5_K, IQ4_NL and
-        IQ4_XS are requantized to Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes
-        rounded: an error of at most d / 2 per weight). The int8 numerics approximate anyway
-        (activations in 8 bits, ~0.4% per element); the exact kernel keeps the file's
-        weights."""
-        f, rows = self.format, self.rows
+        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K),
+        for the formats kept in file order: Q5_0, Q4_K and Q6_K stay as they are (the kernel
+        reads their codes in its tiled layout: the file's 22 bytes per 32 weights, 144 and
+        210 per 256); Q5_1, Q5_K, IQ4_NL and IQ4_XS are requantized to Q8_0 (d = max|w| /
+        127 per block of 32 in fp16, codes rounded: an error of at most d / 2 per weight).
+        The int8 numerics approximate anyway (activations in 8 bits, ~0.4% per element); the
+        exact kernel keeps the file's weights."""
+        f = self.format
         if not f.file_order or f.name in INT8_FILE_ORDER or self.tiled_layout:
             return self
         if self.parts:
             raise ValueError("for_int8: convert the parts, then stack or fuse them")
-        if f.name == "q4_k":
-            return _q4_k_as_q4_1(self.data, rows, self.cols)
         return _requantize_q8_0(self.dequantize())
+
+    def as_q4_1(self) -> QuantizedWeight:
+        """A Q4_K weight as Q4_1 (what int8 mode did with Q4_K before the int8 kernel read it;
+        bench/kquant_pass.py times it): the same nibbles, each block's d * sc and -dmin * m
+        rounded to fp16 (a relative change below 2^-11 of the block's scale), 5 bits per
+        weight."""
+        if self.format.name != "q4_k" or self.tiled_layout:
+            raise ValueError(f"as_q4_1: a per-row Q4_K weight, got {self.format.name}")
+        return _q4_k_as_q4_1(self.data, self.rows, self.cols)
 
     def as_q8_0(self) -> QuantizedWeight:
         """This weight as Q8_0 (what int8 mode did with Q5_0 and Q6_K before the int8
@@ -205,6 +213,8 @@ class QuantizedWeight:
         f, nb, rows = self.format, self.cols // BLOCK, self.rows
         if f.name == "q6_k":
             return _tiled_q6_k(self)
+        if f.name == "q4_k":
+            return _tiled_q4_k(self)
         code_bytes, fields = _tiled_bytes(f)
         padded = -(-rows // TILE) * TILE
         codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
@@ -243,6 +253,8 @@ class QuantizedWeight:
                 return _q5_codes(self.data, self.rows, 2).to(torch.uint8)
             if f.name == "q6_k":
                 return _q6k_fields(self.data, self.rows)[0].reshape(self.rows, nb, BLOCK)
+            if f.name == "q4_k":
+                return _q4k_fields(self.data, self.rows)[0]
             blocks = self.data[:, : nb * f.code_bytes].reshape(self.rows, nb, f.code_bytes)
             return torch.cat([blocks & 15, blocks >> 4], -1) if f.code_bytes == 16 else blocks
         tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, : TILE * nb * code_bytes]
@@ -265,8 +277,8 @@ class QuantizedWeight:
         """The fp16 scales [rows, fields, nb] (d, then m for Q4_1), either layout (Q6_K:
         ``q6_k_scales``)."""
         f, nb = self._regrouped(), self.cols // BLOCK
-        if f.name == "q6_k":
-            raise ValueError("q6_k: int8 sub-block scales and a d per 256, see q6_k_scales")
+        if f.name in ("q4_k", "q6_k"):
+            raise ValueError(f"{f.name}: scales per super-block of 256, see {f.name}_scales")
         code_bytes, fields = _tiled_bytes(f)
         if not self.tiled_layout:
             if f.name == "q5_0":
@@ -293,6 +305,23 @@ class QuantizedWeight:
         d = d.reshape(-1, nsb, TILE).permute(0, 2, 1).reshape(-1, nsb)
         return sc[: self.rows], d[: self.rows]
 
+    def q4_k_scales(self) -> tuple[torch.Tensor, ...]:
+        """A Q4_K weight's 6-bit scales and mins [rows, nb] (uint8, one per block of 32) and
+        fp16 d and dmin [rows, nsb], either layout."""
+        if not self.tiled_layout:
+            return _q4k_fields(self.data, self.rows)[1:]
+        nb, nsb = self.cols // BLOCK, self.cols // 256
+        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * 16 :]
+        packed = tiles[:, : nsb * 192].reshape(-1, nsb, 12, TILE).int()
+        low, top = packed[:, :, :8], packed[:, :, 8:].repeat_interleave(2, dim=2)
+        shift = (4 * (torch.arange(8) % 2)).reshape(1, 1, 8, 1)
+        sc = (low & 15) | ((top >> shift) & 3) << 4
+        mn = (low >> 4) | ((top >> (shift + 2)) & 3) << 4
+        halves = tiles[:, nsb * 192 :].contiguous().view(torch.float16).reshape(-1, nsb, 2, TILE)
+        out = [v.permute(0, 3, 1, 2).reshape(-1, nb).to(torch.uint8) for v in (sc, mn)]
+        out += [halves[:, :, f].permute(0, 2, 1).reshape(-1, nsb) for f in (0, 1)]
+        return tuple(v[: self.rows] for v in out)
+
     def _regrouped(self) -> BlockFormat:
         if self.format.file_order and self.format.name not in INT8_FILE_ORDER:
             raise ValueError(f"{self.format.name}: codes and scales are read in file order")
@@ -310,6 +339,11 @@ class QuantizedWeight:
             scale = (d.float().unsqueeze(-1) * sc.float()).reshape(self.rows, -1, 1)
             q = (self.codes().int() - 32).float().reshape(self.rows, -1, 16)
             return (scale * q).reshape(self.rows, self.cols)
+        if f.name == "q4_k":  # as gguf: (d * sc) * q - dmin * m, per block of 32
+            sc, mn, d, dmin = self.q4_k_scales()
+            scale = (d.float().repeat_interleave(8, 1) * sc.float()).unsqueeze(-1)
+            offset = (dmin.float().repeat_interleave(8, 1) * mn.float()).unsqueeze(-1)
+            return (scale * self.codes().float() - offset).reshape(self.rows, self.cols)
         halves = self.scales()
         d = halves[:, 0].float().unsqueeze(-1)
         q = self.codes()
@@ -420,6 +454,45 @@ def _q6k_fields(data: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
     sc = raw[..., 192:208].contiguous().view(torch.int8)
     d = raw[..., 208:210].contiguous().view(torch.float16).reshape(rows, -1)
     return codes, sc, d
+
+
+def _q4k_fields(data: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    """Q4_K's codes [rows, nb, 32] (uint8 0..15, in value order), 6-bit scales and mins
+    [rows, nb] (uint8) and fp16 d and dmin [rows, nsb] (what _qk dequantizes and the int8
+    tiles hold)."""
+    raw = data.reshape(rows, -1, 144)
+    sc, mn = _scale_min_k(raw[..., 4:16])
+    qs = raw[..., 16:].reshape(rows, -1, 4, 1, 32)
+    codes = torch.cat([qs & 15, qs >> 4], dim=3).reshape(rows, -1, 32)
+    halves = raw[..., :4].contiguous().view(torch.float16)  # [rows, nsb, 2]: d, dmin
+    return codes, sc.reshape(rows, -1), mn.reshape(rows, -1), halves[..., 0], halves[..., 1]
+
+
+def _tiled_q4_k(w: QuantizedWeight) -> QuantizedWeight:
+    """Q4_K in the int8 kernel's tiled layout (quant_linear_int8.cpp): per tile, block by
+    block of 32 the nibbles as Q4_0's 4 vectors; then per super-block the 8 blocks' scales
+    and mins, [8][16] bytes of their low 4 bits (sc | m << 4) and [4][16] bytes of their top
+    2 bits; then per super-block [2][16] fp16 d and dmin. 144 bytes per 256 weights and row,
+    as in the file."""
+    rows, nb, nsb = w.rows, w.cols // BLOCK, w.cols // 256
+    padded = -(-rows // TILE) * TILE
+    codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
+    sc = torch.zeros(padded, nsb, 8, dtype=torch.uint8)
+    mn = torch.zeros(padded, nsb, 8, dtype=torch.uint8)
+    halves = torch.zeros(padded, nsb, 2, dtype=torch.float16)
+    c, s, m, d, dmin = _q4k_fields(w.data, rows)
+    codes[:rows], sc[:rows], mn[:rows] = c, s.reshape(rows, nsb, 8), m.reshape(rows, nsb, 8)
+    halves[:rows, :, 0], halves[:rows, :, 1] = d, dmin
+    codes = codes.reshape(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, b, t, i, k]
+    nibbles = (codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)).reshape(-1, nb * TILE * 16)
+    low = (sc & 15) | ((mn & 15) << 4)  # [padded, nsb, 8]
+    top = (sc >> 4) | ((mn >> 4) << 2)  # 4 bits per block
+    top = top[..., 0::2] | (top[..., 1::2] << 4)  # [padded, nsb, 4]
+    packed = torch.cat([low, top], dim=-1).reshape(-1, TILE, nsb, 12).permute(0, 2, 3, 1)
+    halves = halves.view(torch.uint8).reshape(-1, TILE, nsb, 2, 2).permute(0, 2, 3, 1, 4)
+    tiles = torch.cat([nibbles, packed.reshape(-1, nsb * 192), halves.reshape(-1, nsb * 64)], dim=1)
+    data = tiles.reshape(padded, -1).contiguous()
+    return QuantizedWeight(w.format, data, rows, w.cols, tiled_layout=True)
 
 
 def _tiled_q6_k(w: QuantizedWeight) -> QuantizedWeight:

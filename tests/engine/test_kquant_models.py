@@ -150,15 +150,19 @@ def test_int8_mode_converts_them_to_its_formats(kquant_file):
     the fused decoder call runs; its bits are the per-op path's."""
     loaded = load_model(str(kquant_file), progress=False, quantized=True)
     down = loaded.weights["model.layers.0.mlp.down_proj.weight"]
+    o_proj = loaded.weights["model.layers.0.self_attn.o_proj.weight"]
     model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
     assert model.fused_layers
     layer = model.layers[0]
     formats = [p.quantized.format.name for p in (layer.qkv, layer.o_proj, layer.gate_up)]
-    # q|k|v: Q4_K (-> Q4_1) beside Q6_K, a stack of the two tiled; o Q4_K -> Q4_1; gate|up
-    # Q5_K -> Q8_0; down Q5_0 kept (the int8 kernel's tiled Q5_0: the file's 22 bytes per
-    # 32 weights)
-    assert formats == ["stacked", "q4_1", "q8_0"] and layer.down.quantized.format.name == "q5_0"
-    assert [p.format.name for p in layer.qkv.quantized.parts] == ["q4_1", "q6_k", "q6_k"]
+    # q|k|v: Q4_K beside Q6_K, a stack of the two tiled; o Q4_K kept (the int8 kernel's
+    # tiled Q4_K: the file's 144 bytes per 256 weights); gate|up Q5_K -> Q8_0; down Q5_0
+    # kept (the int8 kernel's tiled Q5_0: the file's 22 bytes per 32 weights)
+    assert formats == ["stacked", "q4_k", "q8_0"] and layer.down.quantized.format.name == "q5_0"
+    assert [p.format.name for p in layer.qkv.quantized.parts] == ["q4_k", "q6_k", "q6_k"]
+    assert layer.o_proj.quantized.tiled_layout
+    assert layer.o_proj.quantized.nbytes == -(-o_proj.rows // 16) * 16 * o_proj.cols // 256 * 144
+    assert torch.equal(layer.o_proj.quantized.dequantize(), o_proj.dequantize())
     assert layer.down.quantized.tiled_layout and layer.down.quantized.nbytes == down.nbytes
     assert torch.equal(layer.down.quantized.dequantize(), down.dequantize())
     meta, positions, blocks = _step([5, 1], [5, 30])

@@ -24,6 +24,17 @@
 // each super-block of 256. A tile is as many bytes as 16 rows of the per-row layout (Q5_0:
 // 22 per 32 weights, Q6_K 210 per 256, as in the file).
 //
+// Q4_K: the nibbles as Q4_0's 4 vectors; then per super-block of 256 [8][16] bytes of the
+// 8 blocks' 6-bit scale and min, low 4 bits (byte b * 16 + i = sc_b & 15 | (m_b & 15) << 4
+// of row i), [4][16] bytes of their top 2 bits (byte p * 16 + i: bits 0-1 sc_2p, 2-3 m_2p,
+// 4-5 sc_2p+1, 6-7 m_2p+1) (192 bytes per super-block), then per super-block [2][16] fp16:
+// d, then dmin. The file's 144 bytes per 256 weights and row.
+//
+// Q4_K (w = d * sc_b * q - dmin * m_b, q in 0..15, one sc and m per block of 32): the
+// integer sc_b * S_b exact in int32, acc = fma(sc_b * S_b, d * dx_b, acc), then the min
+// from the block's activation sum, acc = fma(-dmin * m_b, dx_b * sum(xq_b), acc) (-dmin *
+// m_b is exact in fp32: an fp16 times 6 bits).
+//
 // Q6_K (w = d * sc_h * (q - 32), q in 0..63, one sc per half-block of 16): the integer
 // sum of each half apart, T = sc_0 * (S_0 - 32 X_0) + sc_1 * (S_1 - 32 X_1) exact in int32
 // (X_h: the half's sum of activation codes), then acc = fma(T, d * dx_b, acc): one float
@@ -68,10 +79,12 @@ struct QuantizedRows {
   std::vector<int32_t> x16;  // [n][nb][2]: the codes' sum over each half of 16 (Q6_K)
 };
 
-// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0), codes and scales;
+// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 5 Q4_K, 7 Q6_K), codes
+// and scales;
 // a tile is 16 of them.
 inline int64_t row_bytes_of(int64_t format, int64_t nb) {
   if (format == 7) return nb / 8 * 210;  // Q6_K: super-blocks of 256
+  if (format == 5) return nb / 8 * 144;  // Q4_K
   return nb * (format == 3 ? 22 : format == 2 ? 34 : format == 1 ? 20 : 18);
 }
 
@@ -129,6 +142,17 @@ inline I16 top2(I16 h, int j) {
   return {_mm512_and_si512(v, _mm512_set1_epi8(0x30))};
 }
 inline I16 or16(I16 a, I16 b) { return {_mm512_or_si512(a.v, b.v)}; }
+// 16 uint8 at p, one per int32 lane.
+inline I16 ubytes16(const uint8_t* p) {
+  return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+// Per int32 lane: (a >> shift) & mask, then << up.
+inline I16 field(I16 a, int shift, int32_t mask, int up) {
+  const __m512i v = _mm512_and_si512(_mm512_srlv_epi32(a.v, _mm512_set1_epi32(shift)),
+                                     _mm512_set1_epi32(mask));
+  return {_mm512_sllv_epi32(v, _mm512_set1_epi32(up))};
+}
+inline I16 mul32(I16 a, I16 b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
 // 16 int8 at p, one per int32 lane.
 inline I16 bytes16(const int8_t* p) {
   return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
@@ -199,6 +223,21 @@ inline __m256i top2_half(__m256i h, int j) {
 }
 inline I16 top2(I16 h, int j) { return {top2_half(h.lo, j), top2_half(h.hi, j)}; }
 inline I16 or16(I16 a, I16 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+inline I16 ubytes16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
+}
+inline __m256i field_half(__m256i a, int shift, int32_t mask, int up) {
+  const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(a, _mm256_set1_epi32(shift)),
+                                     _mm256_set1_epi32(mask));
+  return _mm256_sllv_epi32(v, _mm256_set1_epi32(up));
+}
+inline I16 field(I16 a, int shift, int32_t mask, int up) {
+  return {field_half(a.lo, shift, mask, up), field_half(a.hi, shift, mask, up)};
+}
+inline I16 mul32(I16 a, I16 b) {
+  return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)};
+}
 inline I16 bytes16(const int8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))};
@@ -274,6 +313,20 @@ struct Q5 {  // Q5_0: Q4_0's nibble vectors, then 8 words of the 5th bits
   }
 };
 
+struct Q4K : Q4 {};  // Q4_K: Q4_0's nibble vectors; 6-bit scales and mins per block
+
+// Block b's 6-bit scale and min of the 16 rows of a Q4_K tile (`sm`: the tile's scale
+// bytes, after its codes).
+inline void q4k_scale_min(const uint8_t* sm, int64_t nb, int64_t b, I16& sc, I16& m) {
+  const int64_t sb = b / 8, j = b % 8;
+  const I16 low = ubytes16(sm + sb * 192 + 16 * j);
+  const I16 top = ubytes16(sm + sb * 192 + 128 + 16 * (j / 2));
+  const int t = 4 * static_cast<int>(j % 2);
+  sc = or16(field(low, 0, 15, 0), field(top, t, 3, 4));
+  m = or16(field(low, 4, 15, 0), field(top, t + 2, 3, 4));
+  (void)nb;
+}
+
 struct Q6K {  // Q6_K: Q4_0's nibble vectors, then 2 vectors of the top 2 bits
   static constexpr int64_t kBlockBytes = 24;
   static constexpr bool kWide = false;  // codes <= 63: 63 * 127 * 2 fits maddubs' int16
@@ -312,6 +365,23 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
         _mm_prefetch(reinterpret_cast<const char*>(codes) + kAhead + line, _MM_HINT_T1);
     I16 u[8];
     C::unpack(codes, u);
+    if constexpr (std::is_same_v<C, Q4K>) {
+      I16 s[NR];
+      for (int j = 0; j < NR; ++j) s[j] = zero16();
+      for (int t = 0; t < 8; ++t)
+        for (int j = 0; j < NR; ++j)
+          s[j] = dot4(s[j], u[t], load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t), false);
+      I16 sc, mn;
+      q4k_scale_min(dh, nb, b, sc, mn);
+      const uint8_t* halves = dh + nb / 8 * 192 + 64 * (b / 8);  // d, then dmin
+      const v16f d = halves16(halves), mneg = to_float(mn) * -halves16(halves + 32);
+      for (int j = 0; j < NR; ++j) {
+        const int64_t at = (j0 + j) * nb + b;
+        acc[j] = fma16(to_float(mul32(sc, s[j])), d * xr.dx[at], acc[j]);
+        acc[j] = fma16(mneg, splat(xr.dxs[at]), acc[j]);
+      }
+      continue;
+    }
     if constexpr (std::is_same_v<C, Q6K>) {
       // Each half of 16 apart (vectors 0-3: codes 0-15; 4-7: codes 16-31), then scaled.
       const int8_t* sc = reinterpret_cast<const int8_t*>(dh) + 32 * b;
@@ -430,6 +500,33 @@ void dequantize_tiled_q6k(const uint8_t* w, int64_t k, const int64_t* rows, int6
   }
 }
 
+void dequantize_tiled_q4k(const uint8_t* w, int64_t k, const int64_t* rows, int64_t count,
+                          float* out) {
+  const int64_t nb = k / 32;
+  const int64_t row_bytes = row_bytes_of(5, nb);
+#pragma omp parallel for schedule(static) if (count * k > (1 << 16))
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t r = rows ? rows[c] : c, i = r % kTile;
+    const uint8_t* tile = w + r / kTile * kTile * row_bytes;
+    const uint8_t* sm = tile + nb * kTile * Q4K::kBlockBytes;
+    const uint8_t* dh = sm + nb / 8 * 192;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* s = sm + b / 8 * 192;
+      const int j = static_cast<int>(b % 8), t = 4 * (j % 2);
+      const int low = s[16 * j + i], top = s[128 + 16 * (j / 2) + i];
+      const int sc = (low & 15) | ((top >> t) & 3) << 4;
+      const int mn = (low >> 4) | ((top >> (t + 2)) & 3) << 4;
+      const float d = half_to_float(dh + 64 * (b / 8) + 2 * i);
+      const float dmin = half_to_float(dh + 64 * (b / 8) + 32 + 2 * i);
+      // As gguf computes them: (d * sc) * q - dmin * m, each product exact in fp32.
+      const float scale = d * static_cast<float>(sc), offset = dmin * static_cast<float>(mn);
+      for (int q = 0; q < 32; ++q)
+        out[c * k + b * 32 + q] =
+            scale * static_cast<float>(code_at<Q4K>(tile, i, b, q)) - offset;
+    }
+  }
+}
+
 template <class C>
 void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t* rows,
                       int64_t count, float* out) {
@@ -461,14 +558,15 @@ void linear_of(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, co
   if (format == 2) return linear<Q8>(format, xr, n, k, w, m, out, ldo, bias, rb);
   if (format == 3) return linear<Q5>(format, xr, n, k, w, m, out, ldo, bias, rb);
   if (format == 7) return linear<Q6K>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  if (format == 5) return linear<Q4K>(format, xr, n, k, w, m, out, ldo, bias, rb);
   linear<Q4>(format, xr, n, k, w, m, out, ldo, bias, rb);
 }
 
 }  // namespace
 
 // out[n, m] = q8(x[n, k]) @ W[m, k]^T (+ bias[m]); W in the tiled layout of `format`
-// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 7 Q6_K; ceil(m / 16) tiles), or (8) a table of tiled
-// parts; k % 32 == 0 (Q6_K: k % 256 == 0).
+// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 5 Q4_K, 7 Q6_K; ceil(m / 16) tiles), or (8) a table of
+// tiled parts; k % 32 == 0 (Q4_K, Q6_K: k % 256 == 0).
 HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k,
                                     const uint8_t* w, int64_t m, float* out, const float* bias) {
   QuantizedRows xr;
@@ -486,5 +584,6 @@ HR_EXPORT void hr_dequantize_tiled(int64_t format, const uint8_t* w, int64_t k,
   if (format == 2) return dequantize_tiled<Q8>(format, w, k, rows, count, out);
   if (format == 3) return dequantize_tiled<Q5>(format, w, k, rows, count, out);
   if (format == 7) return dequantize_tiled_q6k(w, k, rows, count, out);
+  if (format == 5) return dequantize_tiled_q4k(w, k, rows, count, out);
   dequantize_tiled<Q4>(format, w, k, rows, count, out);
 }
