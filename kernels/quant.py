@@ -7,8 +7,9 @@ the top of kernels/csrc/cpu/quant_linear.cpp); nothing is requantized, so every 
 dequantizes to exactly the fp32 value of ``gguf.quants.dequantize``. Q5_0, Q5_1 and the
 K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) and IQ4_NL / IQ4_XS (4-bit indices into
 a fixed table of 16 values; IQ4_XS in super-blocks of 256) keep the file's bytes unchanged
-(``file_order``): the exact kernel reads their blocks in place; of these Q5_0, Q4_K and
-Q6_K have a tiled layout (``INT8_FILE_ORDER``), the others are converted by ``for_int8``.
+(``file_order``): the exact kernel reads their blocks in place; of these Q5_0, Q4_K, Q5_K
+and Q6_K have a tiled layout (``INT8_FILE_ORDER``), the others are converted by
+``for_int8``.
 
 The int8 kernel reads a second arrangement of the same bytes, ``tiled()``: rows in tiles
 of 16, each block's codes interleaved 4 at a time across the tile's rows (spelled out in
@@ -62,13 +63,14 @@ STACKED = BlockFormat("stacked", 8, 0, 0, 0, file_order=True)
 # Formats kept in file order (for the exact kernel) that the int8 kernel also reads, in its
 # tiled layout (quant_linear_int8.cpp): Q5_0 (the nibbles as Q4_0's, then a plane of 5th
 # bits) and Q6_K (the nibbles, then 2 vectors of top 2 bits; int8 sub-block scales, fp16 d).
-# Q4_K: the nibbles as Q4_0's, the 6-bit scales and mins repacked per tile, fp16 d and dmin.
-INT8_FILE_ORDER = frozenset({"q5_0", "q4_k", "q6_k"})
+# Q4_K: the nibbles as Q4_0's, the 6-bit scales and mins repacked per tile, fp16 d and dmin;
+# Q5_K: the same with Q5_0's plane of 5th bits.
+INT8_FILE_ORDER = frozenset({"q5_0", "q4_k", "q5_k", "q6_k"})
 
 
 def _tiled_bytes(f: BlockFormat) -> tuple[int, int]:
     """Code bytes per block and row, and fp16 fields per block, in the tiled layout."""
-    table = {"q5_0": (20, 1), "q4_k": (16, 0), "q6_k": (24, 0)}
+    table = {"q5_0": (20, 1), "q4_k": (16, 0), "q5_k": (20, 0), "q6_k": (24, 0)}
     return table.get(f.name, (f.code_bytes, f.scale_fields))
 
 
@@ -161,11 +163,11 @@ class QuantizedWeight:
         return QuantizedWeight(first.format, data, data.shape[0], first.cols)
 
     def for_int8(self) -> QuantizedWeight:
-        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K),
-        for the formats kept in file order: Q5_0, Q4_K and Q6_K stay as they are (the kernel
-        reads their codes in its tiled layout: the file's 22 bytes per 32 weights, 144 and
-        210 per 256); Q5_1, Q5_K, IQ4_NL and IQ4_XS are requantized to Q8_0 (d = max|w| /
-        127 per block of 32 in fp16, codes rounded: an error of at most d / 2 per weight).
+        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q5_K,
+        Q6_K), for the formats kept in file order: Q5_0, Q4_K, Q5_K and Q6_K stay as they
+        are (the kernel reads their codes in its tiled layout: the file's 22 bytes per 32
+        weights, 144, 176 and 210 per 256); Q5_1, IQ4_NL and IQ4_XS are requantized to Q8_0
+        (d = max|w| / 127 per block of 32 in fp16, codes rounded: at most d / 2 per weight).
         The int8 numerics approximate anyway (activations in 8 bits, ~0.4% per element); the
         exact kernel keeps the file's weights."""
         f = self.format
@@ -213,8 +215,8 @@ class QuantizedWeight:
         f, nb, rows = self.format, self.cols // BLOCK, self.rows
         if f.name == "q6_k":
             return _tiled_q6_k(self)
-        if f.name == "q4_k":
-            return _tiled_q4_k(self)
+        if f.name in ("q4_k", "q5_k"):
+            return _tiled_qk(self)
         code_bytes, fields = _tiled_bytes(f)
         padded = -(-rows // TILE) * TILE
         codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
@@ -253,8 +255,8 @@ class QuantizedWeight:
                 return _q5_codes(self.data, self.rows, 2).to(torch.uint8)
             if f.name == "q6_k":
                 return _q6k_fields(self.data, self.rows)[0].reshape(self.rows, nb, BLOCK)
-            if f.name == "q4_k":
-                return _q4k_fields(self.data, self.rows)[0]
+            if f.name in ("q4_k", "q5_k"):
+                return _qk_fields(self.data, self.rows, f.name == "q5_k")[0]
             blocks = self.data[:, : nb * f.code_bytes].reshape(self.rows, nb, f.code_bytes)
             return torch.cat([blocks & 15, blocks >> 4], -1) if f.code_bytes == 16 else blocks
         tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, : TILE * nb * code_bytes]
@@ -277,8 +279,9 @@ class QuantizedWeight:
         """The fp16 scales [rows, fields, nb] (d, then m for Q4_1), either layout (Q6_K:
         ``q6_k_scales``)."""
         f, nb = self._regrouped(), self.cols // BLOCK
-        if f.name in ("q4_k", "q6_k"):
-            raise ValueError(f"{f.name}: scales per super-block of 256, see {f.name}_scales")
+        if f.name in ("q4_k", "q5_k", "q6_k"):
+            see = "q6_k_scales" if f.name == "q6_k" else "q4_k_scales"
+            raise ValueError(f"{f.name}: scales per super-block of 256, see {see}")
         code_bytes, fields = _tiled_bytes(f)
         if not self.tiled_layout:
             if f.name == "q5_0":
@@ -306,12 +309,14 @@ class QuantizedWeight:
         return sc[: self.rows], d[: self.rows]
 
     def q4_k_scales(self) -> tuple[torch.Tensor, ...]:
-        """A Q4_K weight's 6-bit scales and mins [rows, nb] (uint8, one per block of 32) and
-        fp16 d and dmin [rows, nsb], either layout."""
+        """A Q4_K (or Q5_K) weight's 6-bit scales and mins [rows, nb] (uint8, one per block
+        of 32) and fp16 d and dmin [rows, nsb], either layout."""
+        high_bits = self.format.name == "q5_k"
         if not self.tiled_layout:
-            return _q4k_fields(self.data, self.rows)[1:]
+            return _qk_fields(self.data, self.rows, high_bits)[1:]
         nb, nsb = self.cols // BLOCK, self.cols // 256
-        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * 16 :]
+        code_bytes = 20 if high_bits else 16
+        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * code_bytes :]
         packed = tiles[:, : nsb * 192].reshape(-1, nsb, 12, TILE).int()
         low, top = packed[:, :, :8], packed[:, :, 8:].repeat_interleave(2, dim=2)
         shift = (4 * (torch.arange(8) % 2)).reshape(1, 1, 8, 1)
@@ -339,7 +344,7 @@ class QuantizedWeight:
             scale = (d.float().unsqueeze(-1) * sc.float()).reshape(self.rows, -1, 1)
             q = (self.codes().int() - 32).float().reshape(self.rows, -1, 16)
             return (scale * q).reshape(self.rows, self.cols)
-        if f.name == "q4_k":  # as gguf: (d * sc) * q - dmin * m, per block of 32
+        if f.name in ("q4_k", "q5_k"):  # as gguf: (d * sc) * q - dmin * m, per block of 32
             sc, mn, d, dmin = self.q4_k_scales()
             scale = (d.float().repeat_interleave(8, 1) * sc.float()).unsqueeze(-1)
             offset = (dmin.float().repeat_interleave(8, 1) * mn.float()).unsqueeze(-1)
@@ -456,35 +461,47 @@ def _q6k_fields(data: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
     return codes, sc, d
 
 
-def _q4k_fields(data: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
-    """Q4_K's codes [rows, nb, 32] (uint8 0..15, in value order), 6-bit scales and mins
-    [rows, nb] (uint8) and fp16 d and dmin [rows, nsb] (what _qk dequantizes and the int8
-    tiles hold)."""
-    raw = data.reshape(rows, -1, 144)
+def _qk_fields(data: torch.Tensor, rows: int, high_bits: bool) -> tuple[torch.Tensor, ...]:
+    """Q4_K's (Q5_K's) codes [rows, nb, 32] (uint8 0..15 (0..31), in value order), 6-bit
+    scales and mins [rows, nb] (uint8) and fp16 d and dmin [rows, nsb] (what _qk
+    dequantizes and the int8 tiles hold)."""
+    size = 176 if high_bits else 144
+    raw = data.reshape(rows, -1, size)
     sc, mn = _scale_min_k(raw[..., 4:16])
-    qs = raw[..., 16:].reshape(rows, -1, 4, 1, 32)
-    codes = torch.cat([qs & 15, qs >> 4], dim=3).reshape(rows, -1, 32)
+    qs = raw[..., size - 128 :].reshape(rows, -1, 4, 1, 32)
+    codes = torch.cat([qs & 15, qs >> 4], dim=3).reshape(rows, -1, 8, 32)
+    if high_bits:
+        qh = raw[..., 16:48].reshape(rows, -1, 1, 32)
+        codes = codes | ((qh >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1) << 4
+    codes = codes.reshape(rows, -1, 32)
     halves = raw[..., :4].contiguous().view(torch.float16)  # [rows, nsb, 2]: d, dmin
     return codes, sc.reshape(rows, -1), mn.reshape(rows, -1), halves[..., 0], halves[..., 1]
 
 
-def _tiled_q4_k(w: QuantizedWeight) -> QuantizedWeight:
-    """Q4_K in the int8 kernel's tiled layout (quant_linear_int8.cpp): per tile, block by
-    block of 32 the nibbles as Q4_0's 4 vectors; then per super-block the 8 blocks' scales
-    and mins, [8][16] bytes of their low 4 bits (sc | m << 4) and [4][16] bytes of their top
-    2 bits; then per super-block [2][16] fp16 d and dmin. 144 bytes per 256 weights and row,
-    as in the file."""
+def _tiled_qk(w: QuantizedWeight) -> QuantizedWeight:
+    """Q4_K (Q5_K) in the int8 kernel's tiled layout (quant_linear_int8.cpp): per tile,
+    block by block of 32 the nibbles as Q4_0's 4 vectors (Q5_K: then Q5_0's plane of 5th
+    bits); then per super-block the 8 blocks' scales and mins, [8][16] bytes of their low 4
+    bits (sc | m << 4) and [4][16] bytes of their top 2 bits; then per super-block [2][16]
+    fp16 d and dmin. 144 (176) bytes per 256 weights and row, as in the file."""
     rows, nb, nsb = w.rows, w.cols // BLOCK, w.cols // 256
+    high_bits = w.format.name == "q5_k"
     padded = -(-rows // TILE) * TILE
     codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
     sc = torch.zeros(padded, nsb, 8, dtype=torch.uint8)
     mn = torch.zeros(padded, nsb, 8, dtype=torch.uint8)
     halves = torch.zeros(padded, nsb, 2, dtype=torch.float16)
-    c, s, m, d, dmin = _q4k_fields(w.data, rows)
+    c, s, m, d, dmin = _qk_fields(w.data, rows, high_bits)
     codes[:rows], sc[:rows], mn[:rows] = c, s.reshape(rows, nsb, 8), m.reshape(rows, nsb, 8)
     halves[:rows, :, 0], halves[:rows, :, 1] = d, dmin
     codes = codes.reshape(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, b, t, i, k]
-    nibbles = (codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)).reshape(-1, nb * TILE * 16)
+    low4 = codes & 15
+    nibbles = (low4[:, :, 0::2] | (low4[:, :, 1::2] << 4)).reshape(-1, nb, TILE * 16)
+    if high_bits:  # Q5_0's plane: word t's bit 4i + k = bit 4 of code 4t + k of row i
+        bits = (codes >> 4).reshape(-1, nb, 8, 8, 8)  # [tile, b, t, byte, bit]
+        plane = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+        nibbles = torch.cat([nibbles, plane.reshape(-1, nb, 64)], dim=-1)
+    nibbles = nibbles.reshape(padded // TILE, -1)
     low = (sc & 15) | ((mn & 15) << 4)  # [padded, nsb, 8]
     top = (sc >> 4) | ((mn >> 4) << 2)  # 4 bits per block
     top = top[..., 0::2] | (top[..., 1::2] << 4)  # [padded, nsb, 4]

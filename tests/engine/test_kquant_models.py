@@ -1,8 +1,8 @@
 """Whole models whose matrices are K-quants and Q5_x (a Q4_K_M file's mix) or IQ4_NL / IQ4_XS,
 loaded in their blocks: the loader keeps them (an unsupported type loads dense, named in one
 warning), the fused q|k|v of mixed formats stays quantized, the fused decoder call gives the
-per-op path's bits, and the result is the dense model's; int8 mode converts them to its
-formats.
+per-op path's bits, and the result is the dense model's; int8 mode reads Q5_0, Q4_K, Q5_K
+and Q6_K in its own layouts and converts the others to its formats.
 
 The files are tiny llamas written here with random blocks (gguf-py cannot quantize to
 K-quants); transformers loads the same files for the greedy parity checks.
@@ -156,13 +156,15 @@ def test_int8_mode_converts_them_to_its_formats(kquant_file):
     layer = model.layers[0]
     formats = [p.quantized.format.name for p in (layer.qkv, layer.o_proj, layer.gate_up)]
     # q|k|v: Q4_K beside Q6_K, a stack of the two tiled; o Q4_K kept (the int8 kernel's
-    # tiled Q4_K: the file's 144 bytes per 256 weights); gate|up Q5_K -> Q8_0; down Q5_0
-    # kept (the int8 kernel's tiled Q5_0: the file's 22 bytes per 32 weights)
-    assert formats == ["stacked", "q4_k", "q8_0"] and layer.down.quantized.format.name == "q5_0"
+    # tiled Q4_K: the file's 144 bytes per 256 weights); gate|up Q5_K kept (176 bytes per
+    # 256); down Q5_0 kept (the int8 kernel's tiled Q5_0: the file's 22 bytes per 32)
+    assert formats == ["stacked", "q4_k", "q5_k"] and layer.down.quantized.format.name == "q5_0"
     assert [p.format.name for p in layer.qkv.quantized.parts] == ["q4_k", "q6_k", "q6_k"]
     assert layer.o_proj.quantized.tiled_layout
     assert layer.o_proj.quantized.nbytes == -(-o_proj.rows // 16) * 16 * o_proj.cols // 256 * 144
     assert torch.equal(layer.o_proj.quantized.dequantize(), o_proj.dequantize())
+    gate_up = layer.gate_up.quantized
+    assert gate_up.tiled_layout and gate_up.nbytes == gate_up.rows * gate_up.cols // 256 * 176
     assert layer.down.quantized.tiled_layout and layer.down.quantized.nbytes == down.nbytes
     assert torch.equal(layer.down.quantized.dequantize(), down.dequantize())
     meta, positions, blocks = _step([5, 1], [5, 30])

@@ -145,11 +145,11 @@ def test_the_same_bits_on_every_isa():
                 assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"
 
 
-def test_k_quants_need_whole_super_blocks_and_have_no_int8_layout():
+def test_k_quants_need_whole_super_blocks_and_iq4_has_no_int8_layout():
     with pytest.raises(ValueError, match="multiple of 256"):
         QuantizedWeight.from_gguf("q4_k", random_blocks("q4_k", 2, 256)[:, :72], 128)
-    weight = QuantizedWeight.from_gguf("q5_k", random_blocks("q5_k", 2, 256), 256)
-    with pytest.raises(ValueError, match="q5_k: no int8 kernel for this format yet"):
+    weight = QuantizedWeight.from_gguf("iq4_xs", random_blocks("iq4_xs", 2, 256), 256)
+    with pytest.raises(ValueError, match="iq4_xs: no int8 kernel for this format yet"):
         weight.tiled()
 
 
@@ -199,16 +199,16 @@ def test_stacked_tiled_weights_for_the_int8_kernel():
 
 
 def test_stacked_tiled_q4_k_beside_q6_k_for_the_int8_kernel():
-    """The fused q|k|v of a Q4_K_M layer in int8 mode: Q4_K q over Q6_K k and v (and a
-    Q8_0 part), each tiled in its own layout, none converted: the int8 kernel computes each
-    part into its own columns, the same bits as each part alone."""
+    """The fused q|k|v of a Q4_K_M layer in int8 mode: Q4_K q over Q6_K k and a Q5_K v
+    (and a Q8_0 part), each tiled in its own layout, none converted: the int8 kernel
+    computes each part into its own columns, the same bits as each part alone."""
     parts = [
         QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, 512, seed=rows), 512)
-        for fmt, rows in (("q4_k", 21), ("q6_k", 6), ("q6_k", 7))
+        for fmt, rows in (("q4_k", 21), ("q6_k", 6), ("q5_k", 7))
     ]
     parts.append(QuantizedWeight.from_gguf("q8_0", _q8_0_blocks(3, 512), 512))
     tiled = [p.for_int8().tiled() for p in parts]
-    assert [p.format.name for p in tiled] == ["q4_k", "q6_k", "q6_k", "q8_0"]
+    assert [p.format.name for p in tiled] == ["q4_k", "q6_k", "q5_k", "q8_0"]
     stacked = QuantizedWeight.stack(tiled)
     assert stacked.shape == (37, 512) and stacked.nbytes == sum(p.nbytes for p in tiled)
     assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
@@ -247,14 +247,14 @@ def _q8_0_blocks(rows: int, cols: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", sorted(GGUF_TYPES))
 @pytest.mark.parametrize("n", [1, 9])
 def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
-    """for_int8: Q5_0, Q4_K and Q6_K kept (the int8 kernel reads their tiled layouts), the
-    rest requantized to Q8_0; the int8 product stays within
+    """for_int8: Q5_0, Q4_K, Q5_K and Q6_K kept (the int8 kernel reads their tiled
+    layouts), the rest requantized to Q8_0; the int8 product stays within
     2% (norm) of the exact kernel's on the file's weights, the bound the int8 tests of the
     other formats state."""
     cols = widths(fmt)[1]
     plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, cols, seed=n), cols)
     converted = plain.for_int8()
-    kept = ("q5_0", "q4_k", "q6_k")
+    kept = ("q5_0", "q4_k", "q5_k", "q6_k")
     assert converted.format.name == (fmt if fmt in kept else "q8_0")
     assert not converted.format.file_order or fmt in kept
     w, w8 = plain.dequantize(), converted.dequantize()
@@ -271,13 +271,14 @@ def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
     assert ((got - exact).norm() / exact.norm()).item() < 0.02
 
 
-# Q5_0, Q4_K and Q6_K in the int8 kernel's own tiled layouts (quant_linear_int8.cpp): the
-# low nibbles as Q4_0's tiles, then Q5_0's plane of 5th bits and d, Q4_K's 6-bit scales and
-# mins and d, dmin, or Q6_K's 2 vectors of top bits, int8 sub-block scales and d; as many
-# bytes as the file's blocks.
-NATIVE_INT8 = ["q5_0", "q4_k", "q6_k"]
-LAYOUT_WIDTHS = {"q5_0": [32, 64, 576], "q4_k": [256, 512, 768], "q6_k": [256, 512, 768]}
-CODE_MAX = {"q5_0": 31, "q4_k": 15, "q6_k": 63}
+# Q5_0, Q4_K, Q5_K and Q6_K in the int8 kernel's own tiled layouts (quant_linear_int8.cpp):
+# the low nibbles as Q4_0's tiles, then Q5_0's plane of 5th bits and d, Q4_K's 6-bit scales
+# and mins and d, dmin (Q5_K: with Q5_0's plane), or Q6_K's 2 vectors of top bits, int8
+# sub-block scales and d; as many bytes as the file's blocks.
+NATIVE_INT8 = ["q5_0", "q4_k", "q5_k", "q6_k"]
+LAYOUT_WIDTHS = {"q5_0": [32, 64, 576], "q4_k": [256, 512, 768], "q5_k": [256, 512, 768],
+                 "q6_k": [256, 512, 768]}  # fmt: skip
+CODE_MAX = {"q5_0": 31, "q4_k": 15, "q5_k": 31, "q6_k": 63}
 
 
 @pytest.mark.parametrize("fmt", NATIVE_INT8)
@@ -298,7 +299,7 @@ def test_native_int8_tiled_layout_holds_the_same_weights(fmt, width, rows):
     assert codes.max() <= CODE_MAX[fmt] and torch.equal(tiled.codes(), codes)
     if fmt == "q5_0":
         assert torch.equal(tiled.scales(), plain.scales())
-    elif fmt == "q4_k":
+    elif fmt in ("q4_k", "q5_k"):
         scales = plain.q4_k_scales()
         assert max(int(v.max()) for v in scales[:2]) <= 63
         assert all(map(torch.equal, tiled.q4_k_scales(), scales))
@@ -322,8 +323,8 @@ def test_native_int8_tiled_layout_holds_the_same_weights(fmt, width, rows):
 def test_native_int8_is_the_exact_product_of_quantized_activations(fmt, n, width, rows):
     """Against the float reference of the same numerics: activations quantized per block
     of 32 as the kernel does, the file's weights (Q5_0: codes 0..31 with m = -16 d; Q4_K:
-    codes 0..15, d * sc * q - dmin * m per block of 32; Q6_K: codes 0..63, (q - 32) * d *
-    sc per half-block of 16)."""
+    codes 0..15 (Q5_K 0..31), d * sc * q - dmin * m per block of 32; Q6_K: codes 0..63,
+    (q - 32) * d * sc per half-block of 16)."""
     cols = [LAYOUT_WIDTHS[fmt][0], 576 if fmt == "q5_0" else 1536][width]
     blocks = random_blocks(fmt, rows, cols, seed=n + cols)
     weight = QuantizedWeight.from_gguf(fmt, blocks, cols).tiled()
