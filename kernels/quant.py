@@ -7,9 +7,9 @@ the top of kernels/csrc/cpu/quant_linear.cpp); nothing is requantized, so every 
 dequantizes to exactly the fp32 value of ``gguf.quants.dequantize``. Q5_0, Q5_1 and the
 K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) and IQ4_NL / IQ4_XS (4-bit indices into
 a fixed table of 16 values; IQ4_XS in super-blocks of 256) keep the file's bytes unchanged
-(``file_order``): the exact kernel reads their blocks in place; of these Q5_0, Q4_K, Q5_K
-and Q6_K have a tiled layout (``INT8_FILE_ORDER``), the others are converted by
-``for_int8``.
+(``file_order``): the exact kernel reads their blocks in place; of these Q5_0, Q5_1, Q4_K,
+Q5_K and Q6_K have a tiled layout (``INT8_FILE_ORDER``), the others (IQ4_NL, IQ4_XS) are
+converted by ``for_int8``.
 
 The int8 kernel reads a second arrangement of the same bytes, ``tiled()``: rows in tiles
 of 16, each block's codes interleaved 4 at a time across the tile's rows (spelled out in
@@ -64,13 +64,13 @@ STACKED = BlockFormat("stacked", 8, 0, 0, 0, file_order=True)
 # tiled layout (quant_linear_int8.cpp): Q5_0 (the nibbles as Q4_0's, then a plane of 5th
 # bits) and Q6_K (the nibbles, then 2 vectors of top 2 bits; int8 sub-block scales, fp16 d).
 # Q4_K: the nibbles as Q4_0's, the 6-bit scales and mins repacked per tile, fp16 d and dmin;
-# Q5_K: the same with Q5_0's plane of 5th bits.
-INT8_FILE_ORDER = frozenset({"q5_0", "q4_k", "q5_k", "q6_k"})
+# Q5_K: the same with Q5_0's plane of 5th bits; Q5_1: Q5_0's codes, fp16 d and m.
+INT8_FILE_ORDER = frozenset({"q5_0", "q5_1", "q4_k", "q5_k", "q6_k"})
 
 
 def _tiled_bytes(f: BlockFormat) -> tuple[int, int]:
     """Code bytes per block and row, and fp16 fields per block, in the tiled layout."""
-    table = {"q5_0": (20, 1), "q4_k": (16, 0), "q5_k": (20, 0), "q6_k": (24, 0)}
+    table = {"q5_0": (20, 1), "q5_1": (20, 2), "q4_k": (16, 0), "q5_k": (20, 0), "q6_k": (24, 0)}
     return table.get(f.name, (f.code_bytes, f.scale_fields))
 
 
@@ -163,11 +163,12 @@ class QuantizedWeight:
         return QuantizedWeight(first.format, data, data.shape[0], first.cols)
 
     def for_int8(self) -> QuantizedWeight:
-        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q5_K,
-        Q6_K), for the formats kept in file order: Q5_0, Q4_K, Q5_K and Q6_K stay as they
-        are (the kernel reads their codes in its tiled layout: the file's 22 bytes per 32
-        weights, 144, 176 and 210 per 256); Q5_1, IQ4_NL and IQ4_XS are requantized to Q8_0
-        (d = max|w| / 127 per block of 32 in fp16, codes rounded: at most d / 2 per weight).
+        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K,
+        Q5_K, Q6_K), for the formats kept in file order: Q5_0, Q5_1, Q4_K, Q5_K and Q6_K stay
+        as they are (the kernel reads their codes in its tiled layout: the file's 22 and 24
+        bytes per 32 weights, 144, 176 and 210 per 256); IQ4_NL and IQ4_XS are requantized to
+        Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes rounded: at most d / 2 per
+        weight).
         The int8 numerics approximate anyway (activations in 8 bits, ~0.4% per element); the
         exact kernel keeps the file's weights."""
         f = self.format
@@ -246,13 +247,13 @@ class QuantizedWeight:
         return QuantizedWeight(f, data, rows, self.cols, tiled_layout=True)
 
     def codes(self) -> torch.Tensor:
-        """The codes [rows, nb, 32] (uint8: nibbles 0..15, Q5_0's 0..31, or int8's bytes),
+        """The codes [rows, nb, 32] (uint8: nibbles 0..15, Q5_x's 0..31, or int8's bytes),
         either layout."""
         f, nb = self._regrouped(), self.cols // BLOCK
-        code_bytes, _ = _tiled_bytes(f)
+        code_bytes, fields = _tiled_bytes(f)
         if not self.tiled_layout:
-            if f.name == "q5_0":
-                return _q5_codes(self.data, self.rows, 2).to(torch.uint8)
+            if f.name in ("q5_0", "q5_1"):
+                return _q5_codes(self.data, self.rows, 2 * fields).to(torch.uint8)
             if f.name == "q6_k":
                 return _q6k_fields(self.data, self.rows)[0].reshape(self.rows, nb, BLOCK)
             if f.name in ("q4_k", "q5_k"):
@@ -276,17 +277,18 @@ class QuantizedWeight:
         return v.permute(0, 3, 1, 2, 4).reshape(-1, nb, BLOCK)[: self.rows]
 
     def scales(self) -> torch.Tensor:
-        """The fp16 scales [rows, fields, nb] (d, then m for Q4_1), either layout (Q6_K:
-        ``q6_k_scales``)."""
+        """The fp16 scales [rows, fields, nb] (d, then m for Q4_1 and Q5_1), either layout
+        (K-quants: ``q4_k_scales``, ``q6_k_scales``)."""
         f, nb = self._regrouped(), self.cols // BLOCK
         if f.name in ("q4_k", "q5_k", "q6_k"):
             see = "q6_k_scales" if f.name == "q6_k" else "q4_k_scales"
             raise ValueError(f"{f.name}: scales per super-block of 256, see {see}")
         code_bytes, fields = _tiled_bytes(f)
         if not self.tiled_layout:
-            if f.name == "q5_0":
-                raw = self.data.reshape(self.rows, nb, 22)[..., :2].contiguous()
-                return raw.view(torch.float16).reshape(self.rows, 1, nb)
+            if f.name in ("q5_0", "q5_1"):  # d (and m) before each block's codes
+                raw = self.data.reshape(self.rows, nb, 20 + 2 * fields)[..., : 2 * fields]
+                h = raw.contiguous().view(torch.float16).reshape(self.rows, nb, fields)
+                return h.permute(0, 2, 1).reshape(-1).view(self.rows, fields, nb)
             raw = self.data[:, nb * f.code_bytes :].contiguous()
             return raw.view(torch.float16).reshape(self.rows, f.scale_fields, nb)
         tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * code_bytes :]
@@ -356,7 +358,8 @@ class QuantizedWeight:
             return (q.view(torch.int8).float() * d).reshape(self.rows, self.cols)
         if f.name == "q5_0":  # as gguf: d * (q - 16)
             return (d * (q.int() - 16).float()).reshape(self.rows, self.cols)
-        offset = halves[:, 1].float().unsqueeze(-1) if f.scale_fields == 2 else -8.0 * d
+        with_min = _tiled_bytes(f)[1] == 2  # Q4_1, Q5_1: as gguf, d * q + m
+        offset = halves[:, 1].float().unsqueeze(-1) if with_min else -8.0 * d
         return (q.float() * d + offset).reshape(self.rows, self.cols)
 
 

@@ -176,10 +176,10 @@ def test_int8_mode_converts_them_to_its_formats(kquant_file):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_int8_mode_keeps_q5_0_exact_beside_other_formats(tmp_path, monkeypatch):
+def test_int8_mode_keeps_q5_0_and_q5_1_exact(tmp_path, monkeypatch):
     """The q5_x mix: q Q5_1 over k, v Q5_0 (one fused q|k|v) and down Q5_0. q|k|v is a
-    stack of q requantized to Q8_0 and k|v in Q5_0, both tiled: the Q5_0 rows are the
-    file's weights; down stays Q5_0. The fused call gives the per-op bits."""
+    stack of q in Q5_1 and k|v in Q5_0, both tiled: every row is the file's weights (the
+    file's 24 and 22 bytes per 32); down stays Q5_0. The fused call gives the per-op bits."""
     path = _write(tmp_path / "q5x.gguf", MIXES["q5_x"], monkeypatch)
     loaded = load_model(str(path), progress=False, quantized=True)
     exact = {name: w.dequantize() for name, w in loaded.weights.items() if "_proj" in name}
@@ -190,9 +190,10 @@ def test_int8_mode_keeps_q5_0_exact_beside_other_formats(tmp_path, monkeypatch):
         prefix = f"model.layers.{i}."
         qkv = layer.qkv.quantized
         assert qkv.format.name == "stacked" and layer.down.quantized.format.name == "q5_0"
-        assert [p.format.name for p in qkv.parts] == ["q8_0", "q5_0", "q5_0"]
-        k, v = exact[prefix + "self_attn.k_proj.weight"], exact[prefix + "self_attn.v_proj.weight"]
-        assert torch.equal(qkv.dequantize()[q_rows:], torch.cat([k, v]))
+        assert [p.format.name for p in qkv.parts] == ["q5_1", "q5_0", "q5_0"]
+        q, k, v = (exact[prefix + f"self_attn.{n}_proj.weight"] for n in "qkv")
+        assert torch.equal(qkv.dequantize(), torch.cat([q, k, v]))
+        assert qkv.parts[0].nbytes == -(-q_rows // 16) * 16 * q.shape[1] // 32 * 24
         down = exact[prefix + "mlp.down_proj.weight"]
         assert torch.equal(layer.down.quantized.dequantize(), down)
     meta, positions, blocks = _step([5, 1], [5, 30])

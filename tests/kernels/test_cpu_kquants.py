@@ -247,14 +247,14 @@ def _q8_0_blocks(rows: int, cols: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", sorted(GGUF_TYPES))
 @pytest.mark.parametrize("n", [1, 9])
 def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
-    """for_int8: Q5_0, Q4_K, Q5_K and Q6_K kept (the int8 kernel reads their tiled
+    """for_int8: Q5_0, Q5_1, Q4_K, Q5_K and Q6_K kept (the int8 kernel reads their tiled
     layouts), the rest requantized to Q8_0; the int8 product stays within
     2% (norm) of the exact kernel's on the file's weights, the bound the int8 tests of the
     other formats state."""
     cols = widths(fmt)[1]
     plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, cols, seed=n), cols)
     converted = plain.for_int8()
-    kept = ("q5_0", "q4_k", "q5_k", "q6_k")
+    kept = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
     assert converted.format.name == (fmt if fmt in kept else "q8_0")
     assert not converted.format.file_order or fmt in kept
     w, w8 = plain.dequantize(), converted.dequantize()
@@ -271,14 +271,15 @@ def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
     assert ((got - exact).norm() / exact.norm()).item() < 0.02
 
 
-# Q5_0, Q4_K, Q5_K and Q6_K in the int8 kernel's own tiled layouts (quant_linear_int8.cpp):
-# the low nibbles as Q4_0's tiles, then Q5_0's plane of 5th bits and d, Q4_K's 6-bit scales
+# Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in the int8 kernel's own tiled layouts
+# (quant_linear_int8.cpp): the low nibbles as Q4_0's tiles, then Q5_0's plane of 5th bits
+# and d (Q5_1: d and m), Q4_K's 6-bit scales
 # and mins and d, dmin (Q5_K: with Q5_0's plane), or Q6_K's 2 vectors of top bits, int8
 # sub-block scales and d; as many bytes as the file's blocks.
-NATIVE_INT8 = ["q5_0", "q4_k", "q5_k", "q6_k"]
-LAYOUT_WIDTHS = {"q5_0": [32, 64, 576], "q4_k": [256, 512, 768], "q5_k": [256, 512, 768],
-                 "q6_k": [256, 512, 768]}  # fmt: skip
-CODE_MAX = {"q5_0": 31, "q4_k": 15, "q5_k": 31, "q6_k": 63}
+NATIVE_INT8 = ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+LAYOUT_WIDTHS = {"q5_0": [32, 64, 576], "q5_1": [32, 64, 576], "q4_k": [256, 512, 768],
+                 "q5_k": [256, 512, 768], "q6_k": [256, 512, 768]}  # fmt: skip
+CODE_MAX = {"q5_0": 31, "q5_1": 31, "q4_k": 15, "q5_k": 31, "q6_k": 63}
 
 
 @pytest.mark.parametrize("fmt", NATIVE_INT8)
@@ -297,7 +298,8 @@ def test_native_int8_tiled_layout_holds_the_same_weights(fmt, width, rows):
     )
     codes = plain.codes()
     assert codes.max() <= CODE_MAX[fmt] and torch.equal(tiled.codes(), codes)
-    if fmt == "q5_0":
+    if fmt in ("q5_0", "q5_1"):
+        assert tiled.scales().shape == (rows, 1 if fmt == "q5_0" else 2, cols // 32)
         assert torch.equal(tiled.scales(), plain.scales())
     elif fmt in ("q4_k", "q5_k"):
         scales = plain.q4_k_scales()
@@ -322,7 +324,8 @@ def test_native_int8_tiled_layout_holds_the_same_weights(fmt, width, rows):
 @pytest.mark.parametrize("rows", [13, 37])  # a partial tile; two whole ones and a partial
 def test_native_int8_is_the_exact_product_of_quantized_activations(fmt, n, width, rows):
     """Against the float reference of the same numerics: activations quantized per block
-    of 32 as the kernel does, the file's weights (Q5_0: codes 0..31 with m = -16 d; Q4_K:
+    of 32 as the kernel does, the file's weights (Q5_0: codes 0..31 with m = -16 d; Q5_1:
+    codes 0..31 with its m; Q4_K:
     codes 0..15 (Q5_K 0..31), d * sc * q - dmin * m per block of 32; Q6_K: codes 0..63,
     (q - 32) * d * sc per half-block of 16)."""
     cols = [LAYOUT_WIDTHS[fmt][0], 576 if fmt == "q5_0" else 1536][width]

@@ -5,7 +5,7 @@
 // product scaled once:  d * dx * sum(q * xq) + m * dx * sum(xq), so the weights are never
 // expanded to floats. Only the activations are approximated (~0.4% per element), which is
 // what llama.cpp computes for this model. Every format is read as unsigned codes with a
-// min: Q4_1 stores m; Q4_0 is q - 8, so m = -8d; Q5_0 is q - 16 (codes 0..31), so
+// min: Q4_1 and Q5_1 store m; Q4_0 is q - 8, so m = -8d; Q5_0 is q - 16 (codes 0..31), so
 // m = -16d; Q8_0's signed codes are read as q + 128 (the top bit flipped), so m = -128d.
 //
 // Weight rows are in the "tiled" layout (kernels/quant.py QuantizedWeight.tiled): rows in
@@ -19,10 +19,10 @@
 //     of the 64 bytes of the t-th unpacked code vector (one masked byte move and an or)
 //   Q6_K: the low 4 bits as Q4_0's 4 vectors, then 2 vectors of the top 2 bits: bits
 //     2j, 2j + 1 of byte 4i + k of vector h = bits 4, 5 of q[i][4(4h + j) + k]
-// then the tile's scales: [nb][16] fp16 d, and (Q4_1) [nb][16] fp16 m; Q6_K: [nb][2][16]
+// then the tile's scales: [nb][16] fp16 d, and (Q4_1, Q5_1) [nb][16] fp16 m; Q6_K: [nb][2][16]
 // int8 sub-block scales (the two halves of 16 of each block), then [nb / 8][16] fp16 d of
 // each super-block of 256. A tile is as many bytes as 16 rows of the per-row layout (Q5_0:
-// 22 per 32 weights, Q6_K 210 per 256, as in the file).
+// 22 per 32 weights, Q5_1 (Q5_0's codes) 24, Q6_K 210 per 256, as in the file).
 //
 // Q4_K: the nibbles as Q4_0's 4 vectors; then per super-block of 256 [8][16] bytes of the
 // 8 blocks' 6-bit scale and min, low 4 bits (byte b * 16 + i = sc_b & 15 | (m_b & 15) << 4
@@ -82,14 +82,14 @@ struct QuantizedRows {
   std::vector<int32_t> x16;  // [n][nb][2]: the codes' sum over each half of 16 (Q6_K)
 };
 
-// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 5 Q4_K, 6 Q5_K, 7
-// Q6_K), codes and scales;
+// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6
+// Q5_K, 7 Q6_K), codes and scales;
 // a tile is 16 of them.
 inline int64_t row_bytes_of(int64_t format, int64_t nb) {
   if (format == 7) return nb / 8 * 210;  // Q6_K: super-blocks of 256
   if (format == 5) return nb / 8 * 144;  // Q4_K
   if (format == 6) return nb / 8 * 176;  // Q5_K
-  return nb * (format == 3 ? 22 : format == 2 ? 34 : format == 1 ? 20 : 18);
+  return nb * (format == 4 ? 24 : format == 3 ? 22 : format == 2 ? 34 : format == 1 ? 20 : 18);
 }
 
 void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x16) {
@@ -356,7 +356,7 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
               bool prefetch) {
   const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
   const uint8_t* mh = dh + nb * kTile * 2;
-  // Q4_0, Q5_0, Q8_0 (Q4_1 stores m)
+  // Q4_0, Q5_0, Q8_0 (Q4_1 and Q5_1 store m)
   const float min_per_d = format == 0 ? -8.0f : format == 3 ? -16.0f : -128.0f;
   const int64_t k = nb * 32;
   v16f acc[NR];
@@ -414,7 +414,7 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
       for (int j = 0; j < NR; ++j)
         s[j] = dot4(s[j], u[t], load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t), C::kWide);
     const v16f d = halves16(dh + 32 * b);
-    const v16f m = format == 1 ? halves16(mh + 32 * b) : d * min_per_d;
+    const v16f m = format == 1 || format == 4 ? halves16(mh + 32 * b) : d * min_per_d;
     for (int j = 0; j < NR; ++j) {
       const int64_t at = (j0 + j) * nb + b;
       acc[j] = fma16(to_float(s[j]), d * xr.dx[at], acc[j]);
@@ -545,10 +545,13 @@ void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t
     const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
     for (int64_t b = 0; b < nb; ++b) {
       const float d = half_to_float(dh + 2 * (b * kTile + i));
-      const float mn = format == 1 ? half_to_float(dh + 2 * (nb * kTile + b * kTile + i)) : 0.0f;
+      const float mn = format == 1 || format == 4
+                           ? half_to_float(dh + 2 * (nb * kTile + b * kTile + i))
+                           : 0.0f;
       for (int j = 0; j < 32; ++j) {
         const int q = code_at<C>(tile, i, b, j);
-        // As gguf computes them: d * q (+ m), Q4_0 as d * (q - 8), Q5_0 as d * (q - 16);
+        // As gguf computes them: d * q (+ m: Q4_1, Q5_1), Q4_0 as d * (q - 8), Q5_0 as
+        // d * (q - 16);
         // all exact in fp32.
         out[c * k + b * 32 + j] = format == 0   ? d * static_cast<float>(q - 8)
                                   : format == 3 ? d * static_cast<float>(q - 16)
@@ -562,7 +565,7 @@ void linear_of(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, co
                int64_t m, float* out, int64_t ldo, const float* bias) {
   const int64_t rb = row_bytes_of(format, k / 32);
   if (format == 2) return linear<Q8>(format, xr, n, k, w, m, out, ldo, bias, rb);
-  if (format == 3) return linear<Q5>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  if (format == 3 || format == 4) return linear<Q5>(format, xr, n, k, w, m, out, ldo, bias, rb);
   if (format == 7) return linear<Q6K>(format, xr, n, k, w, m, out, ldo, bias, rb);
   if (format == 5) return linear<Q4K>(format, xr, n, k, w, m, out, ldo, bias, rb);
   if (format == 6) return linear<Q5K>(format, xr, n, k, w, m, out, ldo, bias, rb);
@@ -572,7 +575,7 @@ void linear_of(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, co
 }  // namespace
 
 // out[n, m] = q8(x[n, k]) @ W[m, k]^T (+ bias[m]); W in the tiled layout of `format`
-// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 5 Q4_K, 6 Q5_K, 7 Q6_K; ceil(m / 16) tiles), or (8) a
+// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6 Q5_K, 7 Q6_K; ceil(m / 16) tiles), or (8) a
 // table of tiled parts; k % 32 == 0 (K-quants: k % 256 == 0).
 HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k,
                                     const uint8_t* w, int64_t m, float* out, const float* bias) {
@@ -589,7 +592,7 @@ HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, i
 HR_EXPORT void hr_dequantize_tiled(int64_t format, const uint8_t* w, int64_t k,
                                    const int64_t* rows, int64_t count, float* out) {
   if (format == 2) return dequantize_tiled<Q8>(format, w, k, rows, count, out);
-  if (format == 3) return dequantize_tiled<Q5>(format, w, k, rows, count, out);
+  if (format == 3 || format == 4) return dequantize_tiled<Q5>(format, w, k, rows, count, out);
   if (format == 7) return dequantize_tiled_q6k(w, k, rows, count, out);
   if (format == 5) return dequantize_tiled_qk<Q4K>(format, w, k, rows, count, out);
   if (format == 6) return dequantize_tiled_qk<Q5K>(format, w, k, rows, count, out);
