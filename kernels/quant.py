@@ -320,8 +320,8 @@ class QuantizedWeight:
         code_bytes = 20 if high_bits else 16
         tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * code_bytes :]
         packed = tiles[:, : nsb * 192].reshape(-1, nsb, 12, TILE).int()
-        low, top = packed[:, :, :8], packed[:, :, 8:].repeat_interleave(2, dim=2)
-        shift = (4 * (torch.arange(8) % 2)).reshape(1, 1, 8, 1)
+        low, top = packed[:, :, :8], packed[:, :, 8:].repeat(1, 1, 2, 1)  # block j: c = j % 4
+        shift = (4 * (torch.arange(8) // 4)).reshape(1, 1, 8, 1)
         sc = (low & 15) | ((top >> shift) & 3) << 4
         mn = (low >> 4) | ((top >> (shift + 2)) & 3) << 4
         halves = tiles[:, nsb * 192 :].contiguous().view(torch.float16).reshape(-1, nsb, 2, TILE)
@@ -485,7 +485,8 @@ def _tiled_qk(w: QuantizedWeight) -> QuantizedWeight:
     """Q4_K (Q5_K) in the int8 kernel's tiled layout (quant_linear_int8.cpp): per tile,
     block by block of 32 the nibbles as Q4_0's 4 vectors (Q5_K: then Q5_0's plane of 5th
     bits); then per super-block the 8 blocks' scales and mins, [8][16] bytes of their low 4
-    bits (sc | m << 4) and [4][16] bytes of their top 2 bits; then per super-block [2][16]
+    bits (sc | m << 4) and [4][16] bytes of their top 2 bits (byte c: blocks c and c + 4);
+    then per super-block [2][16]
     fp16 d and dmin. 144 (176) bytes per 256 weights and row, as in the file."""
     rows, nb, nsb = w.rows, w.cols // BLOCK, w.cols // 256
     high_bits = w.format.name == "q5_k"
@@ -507,7 +508,7 @@ def _tiled_qk(w: QuantizedWeight) -> QuantizedWeight:
     nibbles = nibbles.reshape(padded // TILE, -1)
     low = (sc & 15) | ((mn & 15) << 4)  # [padded, nsb, 8]
     top = (sc >> 4) | ((mn >> 4) << 2)  # 4 bits per block
-    top = top[..., 0::2] | (top[..., 1::2] << 4)  # [padded, nsb, 4]
+    top = top[..., :4] | (top[..., 4:] << 4)  # [padded, nsb, 4]: blocks c and c + 4
     packed = torch.cat([low, top], dim=-1).reshape(-1, TILE, nsb, 12).permute(0, 2, 3, 1)
     halves = halves.view(torch.uint8).reshape(-1, TILE, nsb, 2, 2).permute(0, 2, 3, 1, 4)
     tiles = torch.cat([nibbles, packed.reshape(-1, nsb * 192), halves.reshape(-1, nsb * 64)], dim=1)

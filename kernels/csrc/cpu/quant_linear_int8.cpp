@@ -26,8 +26,8 @@
 //
 // Q4_K: the nibbles as Q4_0's 4 vectors; then per super-block of 256 [8][16] bytes of the
 // 8 blocks' 6-bit scale and min, low 4 bits (byte b * 16 + i = sc_b & 15 | (m_b & 15) << 4
-// of row i), [4][16] bytes of their top 2 bits (byte p * 16 + i: bits 0-1 sc_2p, 2-3 m_2p,
-// 4-5 sc_2p+1, 6-7 m_2p+1) (192 bytes per super-block), then per super-block [2][16] fp16:
+// of row i), [4][16] bytes of their top 2 bits (byte c * 16 + i: bits 0-1 sc_c, 2-3 m_c,
+// 4-5 sc_c+4, 6-7 m_c+4) (192 bytes per super-block), then per super-block [2][16] fp16:
 // d, then dmin. The file's 144 bytes per 256 weights and row.
 //   Q5_K: as Q4_K, each block's nibbles followed by Q5_0's plane of 5th bits (176 bytes).
 //
@@ -150,12 +150,7 @@ inline I16 or16(I16 a, I16 b) { return {_mm512_or_si512(a.v, b.v)}; }
 inline I16 ubytes16(const uint8_t* p) {
   return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
 }
-// Per int32 lane: (a >> shift) & mask, then << up.
-inline I16 field(I16 a, int shift, int32_t mask, int up) {
-  const __m512i v = _mm512_and_si512(_mm512_srlv_epi32(a.v, _mm512_set1_epi32(shift)),
-                                     _mm512_set1_epi32(mask));
-  return {_mm512_sllv_epi32(v, _mm512_set1_epi32(up))};
-}
+inline void store64(uint8_t* p, I16 a) { _mm512_storeu_si512(p, a.v); }
 // 16 int8 at p, one per int32 lane.
 inline I16 bytes16(const int8_t* p) {
   return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
@@ -230,13 +225,9 @@ inline I16 ubytes16(const uint8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
 }
-inline __m256i field_half(__m256i a, int shift, int32_t mask, int up) {
-  const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(a, _mm256_set1_epi32(shift)),
-                                     _mm256_set1_epi32(mask));
-  return _mm256_sllv_epi32(v, _mm256_set1_epi32(up));
-}
-inline I16 field(I16 a, int shift, int32_t mask, int up) {
-  return {field_half(a.lo, shift, mask, up), field_half(a.hi, shift, mask, up)};
+inline void store64(uint8_t* p, I16 a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), a.hi);
 }
 inline I16 bytes16(const int8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -318,16 +309,14 @@ struct Q5K : Q5 {};  // Q5_K: Q5_0's nibble vectors and 5th bits; Q4_K's scales 
 template <class C>
 constexpr bool kKQuant = std::is_same_v<C, Q4K> || std::is_same_v<C, Q5K>;
 
-// Block b's 6-bit scale and min of the 16 rows of a Q4_K tile (`sm`: the tile's scale
-// bytes, after its codes).
-inline void q4k_scale_min(const uint8_t* sm, int64_t nb, int64_t b, I16& sc, I16& m) {
-  const int64_t sb = b / 8, j = b % 8;
-  const I16 low = ubytes16(sm + sb * 192 + 16 * j);
-  const I16 top = ubytes16(sm + sb * 192 + 128 + 16 * (j / 2));
-  const int t = 4 * static_cast<int>(j % 2);
-  sc = or16(field(low, 0, 15, 0), field(top, t, 3, 4));
-  m = or16(field(low, 4, 15, 0), field(top, t + 2, 3, 4));
-  (void)nb;
+// The 6-bit scales and mins of one super-block of a Q4_K / Q5_K tile (`s`: its 192 bytes),
+// as bytes [8][16] each: byte-wise on 64 bytes (4 blocks) at a time, once per super-block.
+inline void unpack_qk_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  const I16 low0 = load64(s), low1 = load64(s + 64), top = load64(s + 128);
+  store64(sc, or16(low_nibbles(low0), top2(top, 0)));  // blocks 0-3: top bits 0-1, 2-3
+  store64(mn, or16(high_nibbles(low0), top2(top, 1)));
+  store64(sc + 64, or16(low_nibbles(low1), top2(top, 2)));  // blocks 4-7: bits 4-5, 6-7
+  store64(mn + 64, or16(high_nibbles(low1), top2(top, 3)));
 }
 
 struct Q6K {  // Q6_K: Q4_0's nibble vectors, then 2 vectors of the top 2 bits
@@ -361,6 +350,7 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
   const int64_t k = nb * 32;
   v16f acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = splat(0.0f);
+  alignas(64) uint8_t scales[2][128];  // Q4_K / Q5_K: a super-block's scales and mins
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* codes = tile + b * kTile * C::kBlockBytes;
     if (prefetch)  // every line of the block (a block is 4 or 8 lines of 16 rows' codes)
@@ -374,8 +364,8 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
       for (int t = 0; t < 8; ++t)
         for (int j = 0; j < NR; ++j)
           s[j] = dot4(s[j], u[t], load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t), false);
-      I16 sc, mn;
-      q4k_scale_min(dh, nb, b, sc, mn);
+      if (b % 8 == 0) unpack_qk_scales(dh + 192 * (b / 8), scales[0], scales[1]);
+      const I16 sc = ubytes16(scales[0] + 16 * (b % 8)), mn = ubytes16(scales[1] + 16 * (b % 8));
       const uint8_t* halves = dh + nb / 8 * 192 + 64 * (b / 8);  // d, then dmin
       // d * sc and -dmin * m: exact in fp32 (an fp16 times 6 bits)
       const v16f dsc = to_float(sc) * halves16(halves);
@@ -518,8 +508,8 @@ void dequantize_tiled_qk(int64_t format, const uint8_t* w, int64_t k, const int6
     const uint8_t* dh = sm + nb / 8 * 192;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* s = sm + b / 8 * 192;
-      const int j = static_cast<int>(b % 8), t = 4 * (j % 2);
-      const int low = s[16 * j + i], top = s[128 + 16 * (j / 2) + i];
+      const int j = static_cast<int>(b % 8), t = 4 * (j / 4);
+      const int low = s[16 * j + i], top = s[128 + 16 * (j % 4) + i];
       const int sc = (low & 15) | ((top >> t) & 3) << 4;
       const int mn = (low >> 4) | ((top >> (t + 2)) & 3) << 4;
       const float d = half_to_float(dh + 64 * (b / 8) + 2 * i);
