@@ -6,7 +6,8 @@ of all layers in a step's order, then the lm_head) with one input row, for each 
 the int8 kernel on kernels/quant.py for_int8's formats; ``quantized-int8, Q5_0/Q6_K as
 Q8_0``: the same with every Q5_0 matrix widened to Q8_0 (exactly) and every Q6_K one
 requantized to Q8_0 at load, as for_int8 did before the int8 kernel read them, for files
-that have them). Reported: ms per pass, the
+that have them; ``quantized-int8, Q4_K as Q4_1``: every Q4_K matrix converted to Q4_1 at
+load, as for_int8 did before the int8 kernel read Q4_K). Reported: ms per pass, the
 passes per second that bounds tokens/s, and the GB/s of weight bytes read, beside a plain
 read of a large tensor (what this machine streams, same threads). The cases alternate
 within each repetition (A/B interleaved): the machine is shared, so a busy spell hits all
@@ -38,13 +39,18 @@ from kernels.cpu import launch as cpu
 from kernels.quant import FORMATS
 
 WIDENED = "quantized-int8, Q5_0/Q6_K as Q8_0"
+AS_Q4_1 = "quantized-int8, Q4_K as Q4_1"
 
 
-def matrices(path: str, int8: bool, widen: bool = False) -> list:
+def matrices(path: str, int8: bool, widen: bool = False, q4_1: bool = False) -> list:
     """Every projection of the file's model in a decode step's order, as the engine holds
     them (fused q|k|v and gate|up), then the lm_head. ``widen``: Q5_0 matrices as Q8_0
-    (exactly: codes q - 16, the same d), Q6_K ones requantized to Q8_0."""
+    (exactly: codes q - 16, the same d), Q6_K ones requantized to Q8_0; ``q4_1``: Q4_K
+    matrices as Q4_1 (kernels/quant.py as_q4_1)."""
     q = load_model(path, quantized=True, progress=False).weights
+    if q4_1:
+        q = {k: w.as_q4_1() if getattr(w, "format", None) == FORMATS["q4_k"] else w
+             for k, w in q.items()}  # fmt: skip
     if widen:
         old = (FORMATS["q5_0"], FORMATS["q6_k"])
         q = {k: w.as_q8_0() if getattr(w, "format", None) in old else w
@@ -117,13 +123,13 @@ def main(argv: list[str] | None = None) -> None:
         args.files = [*made, str(default_model_path())]
     cases = {}
     for path in args.files:
-        for mode in ("quantized", "quantized-int8", WIDENED):
+        for mode in ("quantized", "quantized-int8", WIDENED, AS_Q4_1):
             int8 = mode != "quantized"
-            ws = matrices(path, int8, widen=mode == WIDENED)
-            if mode == WIDENED and sum(w.nbytes for w in ws) == sum(
+            ws = matrices(path, int8, widen=mode == WIDENED, q4_1=mode == AS_Q4_1)
+            if mode in (WIDENED, AS_Q4_1) and sum(w.nbytes for w in ws) == sum(
                 w.nbytes for w in cases[(Path(path).name, "quantized-int8")][0]
             ):
-                continue  # no Q5_0 or Q6_K in this file
+                continue  # no Q5_0 or Q6_K (no Q4_K) in this file
             xs = {w.cols: torch.randn(1, w.cols) for w in ws}
             cases[(Path(path).name, mode)] = (ws, xs, int8)
     samples: dict = {key: [] for key in cases}

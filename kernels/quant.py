@@ -7,14 +7,16 @@ the top of kernels/csrc/cpu/quant_linear.cpp); nothing is requantized, so every 
 dequantizes to exactly the fp32 value of ``gguf.quants.dequantize``. Q5_0, Q5_1 and the
 K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) and IQ4_NL / IQ4_XS (4-bit indices into
 a fixed table of 16 values; IQ4_XS in super-blocks of 256) keep the file's bytes unchanged
-(``file_order``): the exact kernel reads their blocks in place; of these only Q5_0 and
-Q6_K have a tiled layout (``INT8_FILE_ORDER``), the others are converted by ``for_int8``.
+(``file_order``): the exact kernel reads their blocks in place; of these Q5_0, Q5_1, Q4_K,
+Q5_K and Q6_K have a tiled layout (``INT8_FILE_ORDER``), the others (IQ4_NL, IQ4_XS) are
+converted by ``for_int8``.
 
 The int8 kernel reads a second arrangement of the same bytes, ``tiled()``: rows in tiles
 of 16, each block's codes interleaved 4 at a time across the tile's rows (spelled out in
 quant_linear_int8.cpp), so one integer dot product per 64 bytes advances 16 rows' sums in
 their own lanes; a tile's scales follow its codes (Q5_0's 5th bits and Q6_K's top 2 bits
-follow each block's nibbles, as planes of their own).
+follow each block's nibbles, as planes of their own; Q4_K's packed 6-bit scales and mins
+are regrouped per tile, 12 bytes per super-block and row as in the file).
 
 ``dequantize`` here is the torch reference of both layouts (the kernels' test oracle).
 """
@@ -61,12 +63,15 @@ STACKED = BlockFormat("stacked", 8, 0, 0, 0, file_order=True)
 # Formats kept in file order (for the exact kernel) that the int8 kernel also reads, in its
 # tiled layout (quant_linear_int8.cpp): Q5_0 (the nibbles as Q4_0's, then a plane of 5th
 # bits) and Q6_K (the nibbles, then 2 vectors of top 2 bits; int8 sub-block scales, fp16 d).
-INT8_FILE_ORDER = frozenset({"q5_0", "q6_k"})
+# Q4_K: the nibbles as Q4_0's, the 6-bit scales and mins repacked per tile, fp16 d and dmin;
+# Q5_K: the same with Q5_0's plane of 5th bits; Q5_1: Q5_0's codes, fp16 d and m.
+INT8_FILE_ORDER = frozenset({"q5_0", "q5_1", "q4_k", "q5_k", "q6_k"})
 
 
 def _tiled_bytes(f: BlockFormat) -> tuple[int, int]:
     """Code bytes per block and row, and fp16 fields per block, in the tiled layout."""
-    return {"q5_0": (20, 1), "q6_k": (24, 0)}.get(f.name, (f.code_bytes, f.scale_fields))
+    table = {"q5_0": (20, 1), "q5_1": (20, 2), "q4_k": (16, 0), "q5_k": (20, 0), "q6_k": (24, 0)}
+    return table.get(f.name, (f.code_bytes, f.scale_fields))
 
 
 @dataclass(frozen=True)
@@ -158,23 +163,29 @@ class QuantizedWeight:
         return QuantizedWeight(first.format, data, data.shape[0], first.cols)
 
     def for_int8(self) -> QuantizedWeight:
-        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0, Q5_0, Q6_K), for
-        the formats kept in file order: Q5_0 and Q6_K stay as they are (the kernel reads
-        their codes in its tiled layout: the file's 22 bytes per 32 weights, 210 per 256);
-        Q4_K becomes Q4_1 (the same nibbles; each block's d * sc and -dmin * m rounded to
-        fp16, a relative change below 2^-11 of the block's scale); Q5_1, Q5_K, IQ4_NL and
-        IQ4_XS are requantized to Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes
-        rounded: an error of at most d / 2 per weight). The int8 numerics approximate anyway
-        (activations in 8 bits, ~0.4% per element); the exact kernel keeps the file's
-        weights."""
-        f, rows = self.format, self.rows
+        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K,
+        Q5_K, Q6_K), for the formats kept in file order: Q5_0, Q5_1, Q4_K, Q5_K and Q6_K stay
+        as they are (the kernel reads their codes in its tiled layout: the file's 22 and 24
+        bytes per 32 weights, 144, 176 and 210 per 256); IQ4_NL and IQ4_XS are requantized to
+        Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes rounded: at most d / 2 per
+        weight).
+        The int8 numerics approximate anyway (activations in 8 bits, ~0.4% per element); the
+        exact kernel keeps the file's weights."""
+        f = self.format
         if not f.file_order or f.name in INT8_FILE_ORDER or self.tiled_layout:
             return self
         if self.parts:
             raise ValueError("for_int8: convert the parts, then stack or fuse them")
-        if f.name == "q4_k":
-            return _q4_k_as_q4_1(self.data, rows, self.cols)
         return _requantize_q8_0(self.dequantize())
+
+    def as_q4_1(self) -> QuantizedWeight:
+        """A Q4_K weight as Q4_1 (what int8 mode did with Q4_K before the int8 kernel read it;
+        bench/kquant_pass.py times it): the same nibbles, each block's d * sc and -dmin * m
+        rounded to fp16 (a relative change below 2^-11 of the block's scale), 5 bits per
+        weight."""
+        if self.format.name != "q4_k" or self.tiled_layout:
+            raise ValueError(f"as_q4_1: a per-row Q4_K weight, got {self.format.name}")
+        return _q4_k_as_q4_1(self.data, self.rows, self.cols)
 
     def as_q8_0(self) -> QuantizedWeight:
         """This weight as Q8_0 (what int8 mode did with Q5_0 and Q6_K before the int8
@@ -205,6 +216,8 @@ class QuantizedWeight:
         f, nb, rows = self.format, self.cols // BLOCK, self.rows
         if f.name == "q6_k":
             return _tiled_q6_k(self)
+        if f.name in ("q4_k", "q5_k"):
+            return _tiled_qk(self)
         code_bytes, fields = _tiled_bytes(f)
         padded = -(-rows // TILE) * TILE
         codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
@@ -234,15 +247,17 @@ class QuantizedWeight:
         return QuantizedWeight(f, data, rows, self.cols, tiled_layout=True)
 
     def codes(self) -> torch.Tensor:
-        """The codes [rows, nb, 32] (uint8: nibbles 0..15, Q5_0's 0..31, or int8's bytes),
+        """The codes [rows, nb, 32] (uint8: nibbles 0..15, Q5_x's 0..31, or int8's bytes),
         either layout."""
         f, nb = self._regrouped(), self.cols // BLOCK
-        code_bytes, _ = _tiled_bytes(f)
+        code_bytes, fields = _tiled_bytes(f)
         if not self.tiled_layout:
-            if f.name == "q5_0":
-                return _q5_codes(self.data, self.rows, 2).to(torch.uint8)
+            if f.name in ("q5_0", "q5_1"):
+                return _q5_codes(self.data, self.rows, 2 * fields).to(torch.uint8)
             if f.name == "q6_k":
                 return _q6k_fields(self.data, self.rows)[0].reshape(self.rows, nb, BLOCK)
+            if f.name in ("q4_k", "q5_k"):
+                return _qk_fields(self.data, self.rows, f.name == "q5_k")[0]
             blocks = self.data[:, : nb * f.code_bytes].reshape(self.rows, nb, f.code_bytes)
             return torch.cat([blocks & 15, blocks >> 4], -1) if f.code_bytes == 16 else blocks
         tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, : TILE * nb * code_bytes]
@@ -262,16 +277,18 @@ class QuantizedWeight:
         return v.permute(0, 3, 1, 2, 4).reshape(-1, nb, BLOCK)[: self.rows]
 
     def scales(self) -> torch.Tensor:
-        """The fp16 scales [rows, fields, nb] (d, then m for Q4_1), either layout (Q6_K:
-        ``q6_k_scales``)."""
+        """The fp16 scales [rows, fields, nb] (d, then m for Q4_1 and Q5_1), either layout
+        (K-quants: ``q4_k_scales``, ``q6_k_scales``)."""
         f, nb = self._regrouped(), self.cols // BLOCK
-        if f.name == "q6_k":
-            raise ValueError("q6_k: int8 sub-block scales and a d per 256, see q6_k_scales")
+        if f.name in ("q4_k", "q5_k", "q6_k"):
+            see = "q6_k_scales" if f.name == "q6_k" else "q4_k_scales"
+            raise ValueError(f"{f.name}: scales per super-block of 256, see {see}")
         code_bytes, fields = _tiled_bytes(f)
         if not self.tiled_layout:
-            if f.name == "q5_0":
-                raw = self.data.reshape(self.rows, nb, 22)[..., :2].contiguous()
-                return raw.view(torch.float16).reshape(self.rows, 1, nb)
+            if f.name in ("q5_0", "q5_1"):  # d (and m) before each block's codes
+                raw = self.data.reshape(self.rows, nb, 20 + 2 * fields)[..., : 2 * fields]
+                h = raw.contiguous().view(torch.float16).reshape(self.rows, nb, fields)
+                return h.permute(0, 2, 1).reshape(-1).view(self.rows, fields, nb)
             raw = self.data[:, nb * f.code_bytes :].contiguous()
             return raw.view(torch.float16).reshape(self.rows, f.scale_fields, nb)
         tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * code_bytes :]
@@ -293,6 +310,25 @@ class QuantizedWeight:
         d = d.reshape(-1, nsb, TILE).permute(0, 2, 1).reshape(-1, nsb)
         return sc[: self.rows], d[: self.rows]
 
+    def q4_k_scales(self) -> tuple[torch.Tensor, ...]:
+        """A Q4_K (or Q5_K) weight's 6-bit scales and mins [rows, nb] (uint8, one per block
+        of 32) and fp16 d and dmin [rows, nsb], either layout."""
+        high_bits = self.format.name == "q5_k"
+        if not self.tiled_layout:
+            return _qk_fields(self.data, self.rows, high_bits)[1:]
+        nb, nsb = self.cols // BLOCK, self.cols // 256
+        code_bytes = 20 if high_bits else 16
+        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * code_bytes :]
+        packed = tiles[:, : nsb * 192].reshape(-1, nsb, 12, TILE).int()
+        low, top = packed[:, :, :8], packed[:, :, 8:].repeat(1, 1, 2, 1)  # block j: c = j % 4
+        shift = (4 * (torch.arange(8) // 4)).reshape(1, 1, 8, 1)
+        sc = (low & 15) | ((top >> shift) & 3) << 4
+        mn = (low >> 4) | ((top >> (shift + 2)) & 3) << 4
+        halves = tiles[:, nsb * 192 :].contiguous().view(torch.float16).reshape(-1, nsb, 2, TILE)
+        out = [v.permute(0, 3, 1, 2).reshape(-1, nb).to(torch.uint8) for v in (sc, mn)]
+        out += [halves[:, :, f].permute(0, 2, 1).reshape(-1, nsb) for f in (0, 1)]
+        return tuple(v[: self.rows] for v in out)
+
     def _regrouped(self) -> BlockFormat:
         if self.format.file_order and self.format.name not in INT8_FILE_ORDER:
             raise ValueError(f"{self.format.name}: codes and scales are read in file order")
@@ -310,6 +346,11 @@ class QuantizedWeight:
             scale = (d.float().unsqueeze(-1) * sc.float()).reshape(self.rows, -1, 1)
             q = (self.codes().int() - 32).float().reshape(self.rows, -1, 16)
             return (scale * q).reshape(self.rows, self.cols)
+        if f.name in ("q4_k", "q5_k"):  # as gguf: (d * sc) * q - dmin * m, per block of 32
+            sc, mn, d, dmin = self.q4_k_scales()
+            scale = (d.float().repeat_interleave(8, 1) * sc.float()).unsqueeze(-1)
+            offset = (dmin.float().repeat_interleave(8, 1) * mn.float()).unsqueeze(-1)
+            return (scale * self.codes().float() - offset).reshape(self.rows, self.cols)
         halves = self.scales()
         d = halves[:, 0].float().unsqueeze(-1)
         q = self.codes()
@@ -317,7 +358,8 @@ class QuantizedWeight:
             return (q.view(torch.int8).float() * d).reshape(self.rows, self.cols)
         if f.name == "q5_0":  # as gguf: d * (q - 16)
             return (d * (q.int() - 16).float()).reshape(self.rows, self.cols)
-        offset = halves[:, 1].float().unsqueeze(-1) if f.scale_fields == 2 else -8.0 * d
+        with_min = _tiled_bytes(f)[1] == 2  # Q4_1, Q5_1: as gguf, d * q + m
+        offset = halves[:, 1].float().unsqueeze(-1) if with_min else -8.0 * d
         return (q.float() * d + offset).reshape(self.rows, self.cols)
 
 
@@ -420,6 +462,58 @@ def _q6k_fields(data: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
     sc = raw[..., 192:208].contiguous().view(torch.int8)
     d = raw[..., 208:210].contiguous().view(torch.float16).reshape(rows, -1)
     return codes, sc, d
+
+
+def _qk_fields(data: torch.Tensor, rows: int, high_bits: bool) -> tuple[torch.Tensor, ...]:
+    """Q4_K's (Q5_K's) codes [rows, nb, 32] (uint8 0..15 (0..31), in value order), 6-bit
+    scales and mins [rows, nb] (uint8) and fp16 d and dmin [rows, nsb] (what _qk
+    dequantizes and the int8 tiles hold)."""
+    size = 176 if high_bits else 144
+    raw = data.reshape(rows, -1, size)
+    sc, mn = _scale_min_k(raw[..., 4:16])
+    qs = raw[..., size - 128 :].reshape(rows, -1, 4, 1, 32)
+    codes = torch.cat([qs & 15, qs >> 4], dim=3).reshape(rows, -1, 8, 32)
+    if high_bits:
+        qh = raw[..., 16:48].reshape(rows, -1, 1, 32)
+        codes = codes | ((qh >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1) << 4
+    codes = codes.reshape(rows, -1, 32)
+    halves = raw[..., :4].contiguous().view(torch.float16)  # [rows, nsb, 2]: d, dmin
+    return codes, sc.reshape(rows, -1), mn.reshape(rows, -1), halves[..., 0], halves[..., 1]
+
+
+def _tiled_qk(w: QuantizedWeight) -> QuantizedWeight:
+    """Q4_K (Q5_K) in the int8 kernel's tiled layout (quant_linear_int8.cpp): per tile,
+    block by block of 32 the nibbles as Q4_0's 4 vectors (Q5_K: then Q5_0's plane of 5th
+    bits); then per super-block the 8 blocks' scales and mins, [8][16] bytes of their low 4
+    bits (sc | m << 4) and [4][16] bytes of their top 2 bits (byte c: blocks c and c + 4);
+    then per super-block [2][16]
+    fp16 d and dmin. 144 (176) bytes per 256 weights and row, as in the file."""
+    rows, nb, nsb = w.rows, w.cols // BLOCK, w.cols // 256
+    high_bits = w.format.name == "q5_k"
+    padded = -(-rows // TILE) * TILE
+    codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
+    sc = torch.zeros(padded, nsb, 8, dtype=torch.uint8)
+    mn = torch.zeros(padded, nsb, 8, dtype=torch.uint8)
+    halves = torch.zeros(padded, nsb, 2, dtype=torch.float16)
+    c, s, m, d, dmin = _qk_fields(w.data, rows, high_bits)
+    codes[:rows], sc[:rows], mn[:rows] = c, s.reshape(rows, nsb, 8), m.reshape(rows, nsb, 8)
+    halves[:rows, :, 0], halves[:rows, :, 1] = d, dmin
+    codes = codes.reshape(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, b, t, i, k]
+    low4 = codes & 15
+    nibbles = (low4[:, :, 0::2] | (low4[:, :, 1::2] << 4)).reshape(-1, nb, TILE * 16)
+    if high_bits:  # Q5_0's plane: word t's bit 4i + k = bit 4 of code 4t + k of row i
+        bits = (codes >> 4).reshape(-1, nb, 8, 8, 8)  # [tile, b, t, byte, bit]
+        plane = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+        nibbles = torch.cat([nibbles, plane.reshape(-1, nb, 64)], dim=-1)
+    nibbles = nibbles.reshape(padded // TILE, -1)
+    low = (sc & 15) | ((mn & 15) << 4)  # [padded, nsb, 8]
+    top = (sc >> 4) | ((mn >> 4) << 2)  # 4 bits per block
+    top = top[..., :4] | (top[..., 4:] << 4)  # [padded, nsb, 4]: blocks c and c + 4
+    packed = torch.cat([low, top], dim=-1).reshape(-1, TILE, nsb, 12).permute(0, 2, 3, 1)
+    halves = halves.view(torch.uint8).reshape(-1, TILE, nsb, 2, 2).permute(0, 2, 3, 1, 4)
+    tiles = torch.cat([nibbles, packed.reshape(-1, nsb * 192), halves.reshape(-1, nsb * 64)], dim=1)
+    data = tiles.reshape(padded, -1).contiguous()
+    return QuantizedWeight(w.format, data, rows, w.cols, tiled_layout=True)
 
 
 def _tiled_q6_k(w: QuantizedWeight) -> QuantizedWeight:

@@ -1,8 +1,8 @@
 """Whole models whose matrices are K-quants and Q5_x (a Q4_K_M file's mix) or IQ4_NL / IQ4_XS,
 loaded in their blocks: the loader keeps them (an unsupported type loads dense, named in one
 warning), the fused q|k|v of mixed formats stays quantized, the fused decoder call gives the
-per-op path's bits, and the result is the dense model's; int8 mode converts them to its
-formats.
+per-op path's bits, and the result is the dense model's; int8 mode reads Q5_0, Q4_K, Q5_K
+and Q6_K in its own layouts and converts the others to its formats.
 
 The files are tiny llamas written here with random blocks (gguf-py cannot quantize to
 K-quants); transformers loads the same files for the greedy parity checks.
@@ -150,15 +150,21 @@ def test_int8_mode_converts_them_to_its_formats(kquant_file):
     the fused decoder call runs; its bits are the per-op path's."""
     loaded = load_model(str(kquant_file), progress=False, quantized=True)
     down = loaded.weights["model.layers.0.mlp.down_proj.weight"]
+    o_proj = loaded.weights["model.layers.0.self_attn.o_proj.weight"]
     model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
     assert model.fused_layers
     layer = model.layers[0]
     formats = [p.quantized.format.name for p in (layer.qkv, layer.o_proj, layer.gate_up)]
-    # q|k|v: Q4_K (-> Q4_1) beside Q6_K, a stack of the two tiled; o Q4_K -> Q4_1; gate|up
-    # Q5_K -> Q8_0; down Q5_0 kept (the int8 kernel's tiled Q5_0: the file's 22 bytes per
-    # 32 weights)
-    assert formats == ["stacked", "q4_1", "q8_0"] and layer.down.quantized.format.name == "q5_0"
-    assert [p.format.name for p in layer.qkv.quantized.parts] == ["q4_1", "q6_k", "q6_k"]
+    # q|k|v: Q4_K beside Q6_K, a stack of the two tiled; o Q4_K kept (the int8 kernel's
+    # tiled Q4_K: the file's 144 bytes per 256 weights); gate|up Q5_K kept (176 bytes per
+    # 256); down Q5_0 kept (the int8 kernel's tiled Q5_0: the file's 22 bytes per 32)
+    assert formats == ["stacked", "q4_k", "q5_k"] and layer.down.quantized.format.name == "q5_0"
+    assert [p.format.name for p in layer.qkv.quantized.parts] == ["q4_k", "q6_k", "q6_k"]
+    assert layer.o_proj.quantized.tiled_layout
+    assert layer.o_proj.quantized.nbytes == -(-o_proj.rows // 16) * 16 * o_proj.cols // 256 * 144
+    assert torch.equal(layer.o_proj.quantized.dequantize(), o_proj.dequantize())
+    gate_up = layer.gate_up.quantized
+    assert gate_up.tiled_layout and gate_up.nbytes == gate_up.rows * gate_up.cols // 256 * 176
     assert layer.down.quantized.tiled_layout and layer.down.quantized.nbytes == down.nbytes
     assert torch.equal(layer.down.quantized.dequantize(), down.dequantize())
     meta, positions, blocks = _step([5, 1], [5, 30])
@@ -170,10 +176,10 @@ def test_int8_mode_converts_them_to_its_formats(kquant_file):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_int8_mode_keeps_q5_0_exact_beside_other_formats(tmp_path, monkeypatch):
+def test_int8_mode_keeps_q5_0_and_q5_1_exact(tmp_path, monkeypatch):
     """The q5_x mix: q Q5_1 over k, v Q5_0 (one fused q|k|v) and down Q5_0. q|k|v is a
-    stack of q requantized to Q8_0 and k|v in Q5_0, both tiled: the Q5_0 rows are the
-    file's weights; down stays Q5_0. The fused call gives the per-op bits."""
+    stack of q in Q5_1 and k|v in Q5_0, both tiled: every row is the file's weights (the
+    file's 24 and 22 bytes per 32); down stays Q5_0. The fused call gives the per-op bits."""
     path = _write(tmp_path / "q5x.gguf", MIXES["q5_x"], monkeypatch)
     loaded = load_model(str(path), progress=False, quantized=True)
     exact = {name: w.dequantize() for name, w in loaded.weights.items() if "_proj" in name}
@@ -184,9 +190,10 @@ def test_int8_mode_keeps_q5_0_exact_beside_other_formats(tmp_path, monkeypatch):
         prefix = f"model.layers.{i}."
         qkv = layer.qkv.quantized
         assert qkv.format.name == "stacked" and layer.down.quantized.format.name == "q5_0"
-        assert [p.format.name for p in qkv.parts] == ["q8_0", "q5_0", "q5_0"]
-        k, v = exact[prefix + "self_attn.k_proj.weight"], exact[prefix + "self_attn.v_proj.weight"]
-        assert torch.equal(qkv.dequantize()[q_rows:], torch.cat([k, v]))
+        assert [p.format.name for p in qkv.parts] == ["q5_1", "q5_0", "q5_0"]
+        q, k, v = (exact[prefix + f"self_attn.{n}_proj.weight"] for n in "qkv")
+        assert torch.equal(qkv.dequantize(), torch.cat([q, k, v]))
+        assert qkv.parts[0].nbytes == -(-q_rows // 16) * 16 * q.shape[1] // 32 * 24
         down = exact[prefix + "mlp.down_proj.weight"]
         assert torch.equal(layer.down.quantized.dequantize(), down)
     meta, positions, blocks = _step([5, 1], [5, 30])

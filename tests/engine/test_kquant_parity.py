@@ -83,7 +83,8 @@ def _engine(path: Path, weights: str) -> Engine:
 
 def test_int8_on_the_q4_k_m_file_agrees_with_the_exact_path():
     """--weights quantized-int8 on the real Q4_K_M file: its Q5_0 matrices (most of the
-    file) run from their own blocks in the int8 kernel's tiled Q5_0 (not widened to Q8_0);
+    file) run from their own blocks in the int8 kernel's tiled Q5_0 (not widened to Q8_0),
+    its Q4_K and Q6_K ones (down) in their tiled layouts (not converted to Q4_1);
     the teacher-forced agreement and perplexity delta the int8 parity tests demand
     (tests/engine/test_parity.py MODES), here against the exact path on the same file, and
     batched decoding gives each prompt's tokens alone."""
@@ -99,6 +100,9 @@ def test_int8_on_the_q4_k_m_file_agrees_with_the_exact_path():
     assert int8.weights == "quantized-int8" and model.fused_layers
     q5_0 = [p.quantized for layer in model.layers for p in (layer.o_proj, layer.gate_up)]
     assert all(w.format.name == "q5_0" and w.tiled_layout for w in q5_0)
+    down = [layer.down.quantized for layer in model.layers]
+    assert {w.format.name for w in down} == {"q4_k", "q6_k"}
+    assert all(w.tiled_layout for w in down)
     ids = exact.tokenizer.encode(TEXT)
     blocks = -(-len(ids) // 16)
     ref = _StandaloneModel(exact.runner.model, blocks=blocks).all_logits(ids)

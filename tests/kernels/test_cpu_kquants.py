@@ -145,11 +145,11 @@ def test_the_same_bits_on_every_isa():
                 assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"
 
 
-def test_k_quants_need_whole_super_blocks_and_have_no_int8_layout():
+def test_k_quants_need_whole_super_blocks_and_iq4_has_no_int8_layout():
     with pytest.raises(ValueError, match="multiple of 256"):
         QuantizedWeight.from_gguf("q4_k", random_blocks("q4_k", 2, 256)[:, :72], 128)
-    weight = QuantizedWeight.from_gguf("q5_k", random_blocks("q5_k", 2, 256), 256)
-    with pytest.raises(ValueError, match="q5_k: no int8 kernel for this format yet"):
+    weight = QuantizedWeight.from_gguf("iq4_xs", random_blocks("iq4_xs", 2, 256), 256)
+    with pytest.raises(ValueError, match="iq4_xs: no int8 kernel for this format yet"):
         weight.tiled()
 
 
@@ -198,6 +198,47 @@ def test_stacked_tiled_weights_for_the_int8_kernel():
         QuantizedWeight.stack([parts[0], tiled[1]])
 
 
+def test_stacked_tiled_q4_k_beside_q6_k_for_the_int8_kernel():
+    """The fused q|k|v of a Q4_K_M layer in int8 mode: Q4_K q over Q6_K k and a Q5_K v
+    (and a Q8_0 part), each tiled in its own layout, none converted: the int8 kernel
+    computes each part into its own columns, the same bits as each part alone."""
+    parts = [
+        QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, 512, seed=rows), 512)
+        for fmt, rows in (("q4_k", 21), ("q6_k", 6), ("q5_k", 7))
+    ]
+    parts.append(QuantizedWeight.from_gguf("q8_0", _q8_0_blocks(3, 512), 512))
+    tiled = [p.for_int8().tiled() for p in parts]
+    assert [p.format.name for p in tiled] == ["q4_k", "q6_k", "q5_k", "q8_0"]
+    stacked = QuantizedWeight.stack(tiled)
+    assert stacked.shape == (37, 512) and stacked.nbytes == sum(p.nbytes for p in tiled)
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    bias = torch.randn(37)
+    for n in (1, 3, 9, 70):
+        x = torch.randn(n, 512)
+        alone, r = [], 0
+        for p in tiled:
+            alone.append(cpu.quant_linear(x, p, bias[r : r + p.rows].contiguous(), int8=True))
+            r += p.rows
+        assert torch.equal(cpu.quant_linear(x, stacked, bias, int8=True), torch.cat(alone, 1))
+
+
+def test_q4_k_as_q4_1_is_the_old_int8_conversion():
+    """as_q4_1 (bench/kquant_pass.py's baseline): the same nibbles, each block's d * sc and
+    -dmin * m rounded to fp16; the weights move by that rounding only."""
+    plain = QuantizedWeight.from_gguf("q4_k", random_blocks("q4_k", 9, 512), 512)
+    old = plain.as_q4_1()
+    assert old.format.name == "q4_1" and old.nbytes == 9 * 16 * 20
+    w, w1 = plain.dequantize(), old.dequantize()
+    sc, mn, d, dmin = plain.q4_k_scales()
+    scale = (d.float().repeat_interleave(8, 1) * sc.float()).unsqueeze(-1)
+    offset = (dmin.float().repeat_interleave(8, 1) * mn.float()).unsqueeze(-1)
+    # fp16's half ulp of both terms (2^-25 absolute below fp16's normal range)
+    bound = (scale.abs() * 15 + offset.abs()) * 2**-11 + 16 * 2**-25 + 1e-7
+    assert ((w1 - w).reshape(9, -1, 32).abs() <= bound).all()
+    with pytest.raises(ValueError, match="per-row Q4_K"):
+        plain.tiled().as_q4_1()
+
+
 def _q8_0_blocks(rows: int, cols: int) -> torch.Tensor:
     array = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
     return torch.from_numpy(gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0))
@@ -206,21 +247,20 @@ def _q8_0_blocks(rows: int, cols: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", sorted(GGUF_TYPES))
 @pytest.mark.parametrize("n", [1, 9])
 def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
-    """for_int8: Q5_0 and Q6_K kept (the int8 kernel reads their tiled layouts), Q4_K -> Q4_1
-    (scales rounded to fp16), the rest requantized to Q8_0; the int8 product stays within
+    """for_int8: Q5_0, Q5_1, Q4_K, Q5_K and Q6_K kept (the int8 kernel reads their tiled
+    layouts), the rest requantized to Q8_0; the int8 product stays within
     2% (norm) of the exact kernel's on the file's weights, the bound the int8 tests of the
     other formats state."""
     cols = widths(fmt)[1]
     plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, cols, seed=n), cols)
     converted = plain.for_int8()
-    expected_format = {"q5_0": "q5_0", "q6_k": "q6_k", "q4_k": "q4_1"}.get(fmt, "q8_0")
-    assert converted.format.name == expected_format
-    assert not converted.format.file_order or fmt in ("q5_0", "q6_k")
+    kept = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+    assert converted.format.name == (fmt if fmt in kept else "q8_0")
+    assert not converted.format.file_order or fmt in kept
     w, w8 = plain.dequantize(), converted.dequantize()
-    if fmt in ("q5_0", "q6_k"):
+    if fmt in kept:
         assert converted is plain and converted.tiled().nbytes == 48 * plain.data.shape[1]
-    else:  # a weight moves by at most half a Q8_0 step (its fp16 d: 2^-11 more at most),
-        # or (Q4_K) by the fp16 rounding of its block's scale and min
+    else:  # a weight moves by at most half a Q8_0 step (its fp16 d: 2^-11 more at most)
         step = w.reshape(37, -1, 32).abs().amax(-1, keepdim=True) / 127
         bound = step / 2 * (1 + 2**-10) + 1e-7
         assert ((w8 - w).reshape(37, -1, 32).abs() <= bound).all()
@@ -231,11 +271,15 @@ def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
     assert ((got - exact).norm() / exact.norm()).item() < 0.02
 
 
-# Q5_0 and Q6_K in the int8 kernel's own tiled layouts (quant_linear_int8.cpp): the low
-# nibbles as Q4_0's tiles, then Q5_0's plane of 5th bits and d, or Q6_K's 2 vectors of top
-# bits, int8 sub-block scales and d; as many bytes as the file's blocks.
-NATIVE_INT8 = ["q5_0", "q6_k"]
-LAYOUT_WIDTHS = {"q5_0": [32, 64, 576], "q6_k": [256, 512, 768]}
+# Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in the int8 kernel's own tiled layouts
+# (quant_linear_int8.cpp): the low nibbles as Q4_0's tiles, then Q5_0's plane of 5th bits
+# and d (Q5_1: d and m), Q4_K's 6-bit scales
+# and mins and d, dmin (Q5_K: with Q5_0's plane), or Q6_K's 2 vectors of top bits, int8
+# sub-block scales and d; as many bytes as the file's blocks.
+NATIVE_INT8 = ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+LAYOUT_WIDTHS = {"q5_0": [32, 64, 576], "q5_1": [32, 64, 576], "q4_k": [256, 512, 768],
+                 "q5_k": [256, 512, 768], "q6_k": [256, 512, 768]}  # fmt: skip
+CODE_MAX = {"q5_0": 31, "q5_1": 31, "q4_k": 15, "q5_k": 31, "q6_k": 63}
 
 
 @pytest.mark.parametrize("fmt", NATIVE_INT8)
@@ -253,9 +297,14 @@ def test_native_int8_tiled_layout_holds_the_same_weights(fmt, width, rows):
         cols // f.block_values * f.block_bytes,
     )
     codes = plain.codes()
-    assert codes.max() <= (31 if fmt == "q5_0" else 63) and torch.equal(tiled.codes(), codes)
-    if fmt == "q5_0":
+    assert codes.max() <= CODE_MAX[fmt] and torch.equal(tiled.codes(), codes)
+    if fmt in ("q5_0", "q5_1"):
+        assert tiled.scales().shape == (rows, 1 if fmt == "q5_0" else 2, cols // 32)
         assert torch.equal(tiled.scales(), plain.scales())
+    elif fmt in ("q4_k", "q5_k"):
+        scales = plain.q4_k_scales()
+        assert max(int(v.max()) for v in scales[:2]) <= 63
+        assert all(map(torch.equal, tiled.q4_k_scales(), scales))
     else:
         assert all(map(torch.equal, tiled.q6_k_scales(), plain.q6_k_scales()))
     expected = gguf_weights(fmt, blocks, rows, cols)
@@ -275,8 +324,10 @@ def test_native_int8_tiled_layout_holds_the_same_weights(fmt, width, rows):
 @pytest.mark.parametrize("rows", [13, 37])  # a partial tile; two whole ones and a partial
 def test_native_int8_is_the_exact_product_of_quantized_activations(fmt, n, width, rows):
     """Against the float reference of the same numerics: activations quantized per block
-    of 32 as the kernel does, the file's weights (Q5_0: codes 0..31 with m = -16 d; Q6_K:
-    codes 0..63, (q - 32) * d * sc per half-block of 16)."""
+    of 32 as the kernel does, the file's weights (Q5_0: codes 0..31 with m = -16 d; Q5_1:
+    codes 0..31 with its m; Q4_K:
+    codes 0..15 (Q5_K 0..31), d * sc * q - dmin * m per block of 32; Q6_K: codes 0..63,
+    (q - 32) * d * sc per half-block of 16)."""
     cols = [LAYOUT_WIDTHS[fmt][0], 576 if fmt == "q5_0" else 1536][width]
     blocks = random_blocks(fmt, rows, cols, seed=n + cols)
     weight = QuantizedWeight.from_gguf(fmt, blocks, cols).tiled()
@@ -287,7 +338,8 @@ def test_native_int8_is_the_exact_product_of_quantized_activations(fmt, n, width
     expected = cpu.quantize_activations(x).double() @ dense.T + bias
     got = cpu.quant_linear(x, weight, bias, int8=True)
     scale = expected.abs().max().item()
-    # fp32 rounding of sums as large as the outputs (Q6_K's random scales make them ~50)
+    # fp32 rounding of sums as large as the outputs (the K-quants' random scales make them
+    # ~50)
     atol = 2e-5 if fmt == "q5_0" else 2e-5 * scale
     torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=atol)
     exact = x.double() @ dense.T + bias
@@ -310,8 +362,8 @@ def test_native_int8_rows_do_not_depend_on_the_batch(fmt):
 @pytest.mark.parametrize("fmt", NATIVE_INT8)
 def test_native_int8_gives_the_same_bits_on_every_isa(fmt):
     """VNNI, AVX-512 without it (maddubs: 63 * 127 * 2 fits int16) and AVX2 (the top bits
-    spread from 32-bit halves, two 8-lane halves) sum the same exact integers in the same
-    order."""
+    spread from 32-bit halves, two 8-lane halves; Q4_K's scales and mins unpacked in two
+    8-lane halves) sum the same exact integers in the same order."""
     flags = cpu_build.cpu_flags()
     runnable = [isa for isa, (_, need) in cpu_build.ISA_LEVELS.items() if set(need) <= flags]
     if len(runnable) < 2:

@@ -5,7 +5,7 @@
 // product scaled once:  d * dx * sum(q * xq) + m * dx * sum(xq), so the weights are never
 // expanded to floats. Only the activations are approximated (~0.4% per element), which is
 // what llama.cpp computes for this model. Every format is read as unsigned codes with a
-// min: Q4_1 stores m; Q4_0 is q - 8, so m = -8d; Q5_0 is q - 16 (codes 0..31), so
+// min: Q4_1 and Q5_1 store m; Q4_0 is q - 8, so m = -8d; Q5_0 is q - 16 (codes 0..31), so
 // m = -16d; Q8_0's signed codes are read as q + 128 (the top bit flipped), so m = -128d.
 //
 // Weight rows are in the "tiled" layout (kernels/quant.py QuantizedWeight.tiled): rows in
@@ -19,10 +19,24 @@
 //     of the 64 bytes of the t-th unpacked code vector (one masked byte move and an or)
 //   Q6_K: the low 4 bits as Q4_0's 4 vectors, then 2 vectors of the top 2 bits: bits
 //     2j, 2j + 1 of byte 4i + k of vector h = bits 4, 5 of q[i][4(4h + j) + k]
-// then the tile's scales: [nb][16] fp16 d, and (Q4_1) [nb][16] fp16 m; Q6_K: [nb][2][16]
+// then the tile's scales: [nb][16] fp16 d, and (Q4_1, Q5_1) [nb][16] fp16 m; Q6_K: [nb][2][16]
 // int8 sub-block scales (the two halves of 16 of each block), then [nb / 8][16] fp16 d of
 // each super-block of 256. A tile is as many bytes as 16 rows of the per-row layout (Q5_0:
-// 22 per 32 weights, Q6_K 210 per 256, as in the file).
+// 22 per 32 weights, Q5_1 (Q5_0's codes) 24, Q6_K 210 per 256, as in the file).
+//
+// Q4_K: the nibbles as Q4_0's 4 vectors; then per super-block of 256 [8][16] bytes of the
+// 8 blocks' 6-bit scale and min, low 4 bits (byte b * 16 + i = sc_b & 15 | (m_b & 15) << 4
+// of row i), [4][16] bytes of their top 2 bits (byte c * 16 + i: bits 0-1 sc_c, 2-3 m_c,
+// 4-5 sc_c+4, 6-7 m_c+4) (192 bytes per super-block), then per super-block [2][16] fp16:
+// d, then dmin. The file's 144 bytes per 256 weights and row.
+//   Q5_K: as Q4_K, each block's nibbles followed by Q5_0's plane of 5th bits (176 bytes).
+//
+// Q4_K (w = d * sc_b * q - dmin * m_b, q in 0..15 (Q5_K 0..31), one sc and m per block):
+// Q4_1's operations with the block's scale d * sc_b and min -dmin * m_b, both exact in fp32
+// (an fp16 times 6 bits), where Q4_1 stores them rounded to fp16: acc = fma(S_b, (d * sc_b)
+// * dx_b, acc), then acc = fma(-dmin * m_b, dx_b * sum(xq_b), acc). (sc_b * S_b in int32,
+// then d * dx_b, rounds as often but costs a vpmulld per input row and block: 6% slower at
+// 16 rows, measured alternately.)
 //
 // Q6_K (w = d * sc_h * (q - 32), q in 0..63, one sc per half-block of 16): the integer
 // sum of each half apart, T = sc_0 * (S_0 - 32 X_0) + sc_1 * (S_1 - 32 X_1) exact in int32
@@ -68,11 +82,14 @@ struct QuantizedRows {
   std::vector<int32_t> x16;  // [n][nb][2]: the codes' sum over each half of 16 (Q6_K)
 };
 
-// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0), codes and scales;
+// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6
+// Q5_K, 7 Q6_K), codes and scales;
 // a tile is 16 of them.
 inline int64_t row_bytes_of(int64_t format, int64_t nb) {
   if (format == 7) return nb / 8 * 210;  // Q6_K: super-blocks of 256
-  return nb * (format == 3 ? 22 : format == 2 ? 34 : format == 1 ? 20 : 18);
+  if (format == 5) return nb / 8 * 144;  // Q4_K
+  if (format == 6) return nb / 8 * 176;  // Q5_K
+  return nb * (format == 4 ? 24 : format == 3 ? 22 : format == 2 ? 34 : format == 1 ? 20 : 18);
 }
 
 void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x16) {
@@ -129,6 +146,11 @@ inline I16 top2(I16 h, int j) {
   return {_mm512_and_si512(v, _mm512_set1_epi8(0x30))};
 }
 inline I16 or16(I16 a, I16 b) { return {_mm512_or_si512(a.v, b.v)}; }
+// 16 uint8 at p, one per int32 lane.
+inline I16 ubytes16(const uint8_t* p) {
+  return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+inline void store64(uint8_t* p, I16 a) { _mm512_storeu_si512(p, a.v); }
 // 16 int8 at p, one per int32 lane.
 inline I16 bytes16(const int8_t* p) {
   return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
@@ -199,6 +221,14 @@ inline __m256i top2_half(__m256i h, int j) {
 }
 inline I16 top2(I16 h, int j) { return {top2_half(h.lo, j), top2_half(h.hi, j)}; }
 inline I16 or16(I16 a, I16 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+inline I16 ubytes16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
+}
+inline void store64(uint8_t* p, I16 a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), a.hi);
+}
 inline I16 bytes16(const int8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))};
@@ -274,6 +304,21 @@ struct Q5 {  // Q5_0: Q4_0's nibble vectors, then 8 words of the 5th bits
   }
 };
 
+struct Q4K : Q4 {};  // Q4_K: Q4_0's nibble vectors; 6-bit scales and mins per block
+struct Q5K : Q5 {};  // Q5_K: Q5_0's nibble vectors and 5th bits; Q4_K's scales and mins
+template <class C>
+constexpr bool kKQuant = std::is_same_v<C, Q4K> || std::is_same_v<C, Q5K>;
+
+// The 6-bit scales and mins of one super-block of a Q4_K / Q5_K tile (`s`: its 192 bytes),
+// as bytes [8][16] each: byte-wise on 64 bytes (4 blocks) at a time, once per super-block.
+inline void unpack_qk_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  const I16 low0 = load64(s), low1 = load64(s + 64), top = load64(s + 128);
+  store64(sc, or16(low_nibbles(low0), top2(top, 0)));  // blocks 0-3: top bits 0-1, 2-3
+  store64(mn, or16(high_nibbles(low0), top2(top, 1)));
+  store64(sc + 64, or16(low_nibbles(low1), top2(top, 2)));  // blocks 4-7: bits 4-5, 6-7
+  store64(mn + 64, or16(high_nibbles(low1), top2(top, 3)));
+}
+
 struct Q6K {  // Q6_K: Q4_0's nibble vectors, then 2 vectors of the top 2 bits
   static constexpr int64_t kBlockBytes = 24;
   static constexpr bool kWide = false;  // codes <= 63: 63 * 127 * 2 fits maddubs' int16
@@ -300,11 +345,12 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
               bool prefetch) {
   const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
   const uint8_t* mh = dh + nb * kTile * 2;
-  // Q4_0, Q5_0, Q8_0 (Q4_1 stores m)
+  // Q4_0, Q5_0, Q8_0 (Q4_1 and Q5_1 store m)
   const float min_per_d = format == 0 ? -8.0f : format == 3 ? -16.0f : -128.0f;
   const int64_t k = nb * 32;
   v16f acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = splat(0.0f);
+  alignas(64) uint8_t scales[2][128];  // Q4_K / Q5_K: a super-block's scales and mins
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* codes = tile + b * kTile * C::kBlockBytes;
     if (prefetch)  // every line of the block (a block is 4 or 8 lines of 16 rows' codes)
@@ -312,6 +358,25 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
         _mm_prefetch(reinterpret_cast<const char*>(codes) + kAhead + line, _MM_HINT_T1);
     I16 u[8];
     C::unpack(codes, u);
+    if constexpr (kKQuant<C>) {
+      I16 s[NR];
+      for (int j = 0; j < NR; ++j) s[j] = zero16();
+      for (int t = 0; t < 8; ++t)
+        for (int j = 0; j < NR; ++j)
+          s[j] = dot4(s[j], u[t], load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t), false);
+      if (b % 8 == 0) unpack_qk_scales(dh + 192 * (b / 8), scales[0], scales[1]);
+      const I16 sc = ubytes16(scales[0] + 16 * (b % 8)), mn = ubytes16(scales[1] + 16 * (b % 8));
+      const uint8_t* halves = dh + nb / 8 * 192 + 64 * (b / 8);  // d, then dmin
+      // d * sc and -dmin * m: exact in fp32 (an fp16 times 6 bits)
+      const v16f dsc = to_float(sc) * halves16(halves);
+      const v16f mneg = to_float(mn) * -halves16(halves + 32);
+      for (int j = 0; j < NR; ++j) {
+        const int64_t at = (j0 + j) * nb + b;
+        acc[j] = fma16(to_float(s[j]), dsc * xr.dx[at], acc[j]);
+        acc[j] = fma16(mneg, splat(xr.dxs[at]), acc[j]);
+      }
+      continue;
+    }
     if constexpr (std::is_same_v<C, Q6K>) {
       // Each half of 16 apart (vectors 0-3: codes 0-15; 4-7: codes 16-31), then scaled.
       const int8_t* sc = reinterpret_cast<const int8_t*>(dh) + 32 * b;
@@ -339,7 +404,7 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
       for (int j = 0; j < NR; ++j)
         s[j] = dot4(s[j], u[t], load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t), C::kWide);
     const v16f d = halves16(dh + 32 * b);
-    const v16f m = format == 1 ? halves16(mh + 32 * b) : d * min_per_d;
+    const v16f m = format == 1 || format == 4 ? halves16(mh + 32 * b) : d * min_per_d;
     for (int j = 0; j < NR; ++j) {
       const int64_t at = (j0 + j) * nb + b;
       acc[j] = fma16(to_float(s[j]), d * xr.dx[at], acc[j]);
@@ -430,6 +495,34 @@ void dequantize_tiled_q6k(const uint8_t* w, int64_t k, const int64_t* rows, int6
   }
 }
 
+template <class C>  // Q4K, Q5K
+void dequantize_tiled_qk(int64_t format, const uint8_t* w, int64_t k, const int64_t* rows,
+                         int64_t count, float* out) {
+  const int64_t nb = k / 32;
+  const int64_t row_bytes = row_bytes_of(format, nb);
+#pragma omp parallel for schedule(static) if (count * k > (1 << 16))
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t r = rows ? rows[c] : c, i = r % kTile;
+    const uint8_t* tile = w + r / kTile * kTile * row_bytes;
+    const uint8_t* sm = tile + nb * kTile * C::kBlockBytes;
+    const uint8_t* dh = sm + nb / 8 * 192;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* s = sm + b / 8 * 192;
+      const int j = static_cast<int>(b % 8), t = 4 * (j / 4);
+      const int low = s[16 * j + i], top = s[128 + 16 * (j % 4) + i];
+      const int sc = (low & 15) | ((top >> t) & 3) << 4;
+      const int mn = (low >> 4) | ((top >> (t + 2)) & 3) << 4;
+      const float d = half_to_float(dh + 64 * (b / 8) + 2 * i);
+      const float dmin = half_to_float(dh + 64 * (b / 8) + 32 + 2 * i);
+      // As gguf computes them: (d * sc) * q - dmin * m, each product exact in fp32.
+      const float scale = d * static_cast<float>(sc), offset = dmin * static_cast<float>(mn);
+      for (int q = 0; q < 32; ++q)
+        out[c * k + b * 32 + q] =
+            scale * static_cast<float>(code_at<C>(tile, i, b, q)) - offset;
+    }
+  }
+}
+
 template <class C>
 void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t* rows,
                       int64_t count, float* out) {
@@ -442,10 +535,13 @@ void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t
     const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
     for (int64_t b = 0; b < nb; ++b) {
       const float d = half_to_float(dh + 2 * (b * kTile + i));
-      const float mn = format == 1 ? half_to_float(dh + 2 * (nb * kTile + b * kTile + i)) : 0.0f;
+      const float mn = format == 1 || format == 4
+                           ? half_to_float(dh + 2 * (nb * kTile + b * kTile + i))
+                           : 0.0f;
       for (int j = 0; j < 32; ++j) {
         const int q = code_at<C>(tile, i, b, j);
-        // As gguf computes them: d * q (+ m), Q4_0 as d * (q - 8), Q5_0 as d * (q - 16);
+        // As gguf computes them: d * q (+ m: Q4_1, Q5_1), Q4_0 as d * (q - 8), Q5_0 as
+        // d * (q - 16);
         // all exact in fp32.
         out[c * k + b * 32 + j] = format == 0   ? d * static_cast<float>(q - 8)
                                   : format == 3 ? d * static_cast<float>(q - 16)
@@ -459,16 +555,18 @@ void linear_of(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, co
                int64_t m, float* out, int64_t ldo, const float* bias) {
   const int64_t rb = row_bytes_of(format, k / 32);
   if (format == 2) return linear<Q8>(format, xr, n, k, w, m, out, ldo, bias, rb);
-  if (format == 3) return linear<Q5>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  if (format == 3 || format == 4) return linear<Q5>(format, xr, n, k, w, m, out, ldo, bias, rb);
   if (format == 7) return linear<Q6K>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  if (format == 5) return linear<Q4K>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  if (format == 6) return linear<Q5K>(format, xr, n, k, w, m, out, ldo, bias, rb);
   linear<Q4>(format, xr, n, k, w, m, out, ldo, bias, rb);
 }
 
 }  // namespace
 
 // out[n, m] = q8(x[n, k]) @ W[m, k]^T (+ bias[m]); W in the tiled layout of `format`
-// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 7 Q6_K; ceil(m / 16) tiles), or (8) a table of tiled
-// parts; k % 32 == 0 (Q6_K: k % 256 == 0).
+// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6 Q5_K, 7 Q6_K; ceil(m / 16) tiles), or (8) a
+// table of tiled parts; k % 32 == 0 (K-quants: k % 256 == 0).
 HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k,
                                     const uint8_t* w, int64_t m, float* out, const float* bias) {
   QuantizedRows xr;
@@ -484,7 +582,9 @@ HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, i
 HR_EXPORT void hr_dequantize_tiled(int64_t format, const uint8_t* w, int64_t k,
                                    const int64_t* rows, int64_t count, float* out) {
   if (format == 2) return dequantize_tiled<Q8>(format, w, k, rows, count, out);
-  if (format == 3) return dequantize_tiled<Q5>(format, w, k, rows, count, out);
+  if (format == 3 || format == 4) return dequantize_tiled<Q5>(format, w, k, rows, count, out);
   if (format == 7) return dequantize_tiled_q6k(w, k, rows, count, out);
+  if (format == 5) return dequantize_tiled_qk<Q4K>(format, w, k, rows, count, out);
+  if (format == 6) return dequantize_tiled_qk<Q5K>(format, w, k, rows, count, out);
   dequantize_tiled<Q4>(format, w, k, rows, count, out);
 }
