@@ -186,14 +186,7 @@ def test_stacked_tiled_weights_for_the_int8_kernel():
     assert stacked.tiled_layout and stacked.for_int8().tiled() is stacked
     assert stacked.shape == (42, 512) and stacked.nbytes == sum(p.nbytes for p in tiled)
     assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
-    bias = torch.randn(42)
-    for n in (1, 3, 9, 70):
-        x = torch.randn(n, 512)
-        alone, r = [], 0
-        for p in tiled:
-            alone.append(cpu.quant_linear(x, p, bias[r : r + p.rows].contiguous(), int8=True))
-            r += p.rows
-        assert torch.equal(cpu.quant_linear(x, stacked, bias, int8=True), torch.cat(alone, 1))
+    _assert_stack_computes_as_its_parts(stacked, tiled)
     with pytest.raises(ValueError, match="one layout"):
         QuantizedWeight.stack([parts[0], tiled[1]])
 
@@ -212,14 +205,7 @@ def test_stacked_tiled_q4_k_beside_q6_k_for_the_int8_kernel():
     stacked = QuantizedWeight.stack(tiled)
     assert stacked.shape == (37, 512) and stacked.nbytes == sum(p.nbytes for p in tiled)
     assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
-    bias = torch.randn(37)
-    for n in (1, 3, 9, 70):
-        x = torch.randn(n, 512)
-        alone, r = [], 0
-        for p in tiled:
-            alone.append(cpu.quant_linear(x, p, bias[r : r + p.rows].contiguous(), int8=True))
-            r += p.rows
-        assert torch.equal(cpu.quant_linear(x, stacked, bias, int8=True), torch.cat(alone, 1))
+    _assert_stack_computes_as_its_parts(stacked, tiled)
 
 
 def test_q4_k_as_q4_1_is_the_old_int8_conversion():
@@ -388,3 +374,16 @@ def test_native_int8_gives_the_same_bits_on_every_isa(fmt):
             outs.append(out)
         for isa, out in zip(runnable[1:], outs[1:], strict=True):
             assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"
+
+
+def _assert_stack_computes_as_its_parts(stacked: QuantizedWeight, tiled: list) -> None:
+    """The int8 kernel on a stack of tiled parts: each part's columns the same bits (bias
+    included) as the part alone, for 1 to 70 input rows."""
+    bias = torch.randn(stacked.rows)
+    for n in (1, 3, 9, 70):
+        x = torch.randn(n, stacked.cols)
+        alone, r = [], 0
+        for p in tiled:
+            alone.append(cpu.quant_linear(x, p, bias[r : r + p.rows].contiguous(), int8=True))
+            r += p.rows
+        assert torch.equal(cpu.quant_linear(x, stacked, bias, int8=True), torch.cat(alone, 1))

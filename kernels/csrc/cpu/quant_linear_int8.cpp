@@ -473,14 +473,23 @@ inline int code_at(const uint8_t* tile, int64_t i, int64_t b, int j) {
   return low;
 }
 
-void dequantize_tiled_q6k(const uint8_t* w, int64_t k, const int64_t* rows, int64_t count,
-                          float* out) {
-  const int64_t nb = k / 32;
-  const int64_t row_bytes = row_bytes_of(7, nb);
+// fn(tile, i, nb, o) for each of the `count` rows to dequantize (`rows`, else 0..count - 1):
+// the row's tile, its lane in the tile, blocks per row, and its output row of k floats.
+template <class Fn>
+void for_each_tiled_row(int64_t format, const uint8_t* w, int64_t k, const int64_t* rows,
+                        int64_t count, float* out, Fn fn) {
+  const int64_t nb = k / 32, row_bytes = row_bytes_of(format, nb);
 #pragma omp parallel for schedule(static) if (count * k > (1 << 16))
   for (int64_t c = 0; c < count; ++c) {
-    const int64_t r = rows ? rows[c] : c, i = r % kTile;
-    const uint8_t* tile = w + r / kTile * kTile * row_bytes;
+    const int64_t r = rows ? rows[c] : c;
+    fn(w + r / kTile * kTile * row_bytes, r % kTile, nb, out + c * k);
+  }
+}
+
+void dequantize_tiled_q6k(const uint8_t* w, int64_t k, const int64_t* rows, int64_t count,
+                          float* out) {
+  for_each_tiled_row(7, w, k, rows, count, out,
+                     [](const uint8_t* tile, int64_t i, int64_t nb, float* o) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(tile + nb * kTile * Q6K::kBlockBytes);
     const uint8_t* dh = tile + nb * kTile * (Q6K::kBlockBytes + 2);
     for (int64_t b = 0; b < nb; ++b) {
@@ -489,21 +498,17 @@ void dequantize_tiled_q6k(const uint8_t* w, int64_t k, const int64_t* rows, int6
         // As gguf computes them: (d * sc) * (q - 32), exact in fp32.
         const float scale = d * static_cast<float>(sc[32 * b + 16 * (j / 16) + i]);
         const int q = code_at<Q6K>(tile, i, b, j);
-        out[c * k + b * 32 + j] = scale * static_cast<float>(q - 32);
+        o[b * 32 + j] = scale * static_cast<float>(q - 32);
       }
     }
-  }
+  });
 }
 
 template <class C>  // Q4K, Q5K
 void dequantize_tiled_qk(int64_t format, const uint8_t* w, int64_t k, const int64_t* rows,
                          int64_t count, float* out) {
-  const int64_t nb = k / 32;
-  const int64_t row_bytes = row_bytes_of(format, nb);
-#pragma omp parallel for schedule(static) if (count * k > (1 << 16))
-  for (int64_t c = 0; c < count; ++c) {
-    const int64_t r = rows ? rows[c] : c, i = r % kTile;
-    const uint8_t* tile = w + r / kTile * kTile * row_bytes;
+  for_each_tiled_row(format, w, k, rows, count, out,
+                     [](const uint8_t* tile, int64_t i, int64_t nb, float* o) {
     const uint8_t* sm = tile + nb * kTile * C::kBlockBytes;
     const uint8_t* dh = sm + nb / 8 * 192;
     for (int64_t b = 0; b < nb; ++b) {
@@ -517,21 +522,16 @@ void dequantize_tiled_qk(int64_t format, const uint8_t* w, int64_t k, const int6
       // As gguf computes them: (d * sc) * q - dmin * m, each product exact in fp32.
       const float scale = d * static_cast<float>(sc), offset = dmin * static_cast<float>(mn);
       for (int q = 0; q < 32; ++q)
-        out[c * k + b * 32 + q] =
-            scale * static_cast<float>(code_at<C>(tile, i, b, q)) - offset;
+        o[b * 32 + q] = scale * static_cast<float>(code_at<C>(tile, i, b, q)) - offset;
     }
-  }
+  });
 }
 
 template <class C>
 void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t* rows,
                       int64_t count, float* out) {
-  const int64_t nb = k / 32;
-  const int64_t row_bytes = row_bytes_of(format, nb);
-#pragma omp parallel for schedule(static) if (count * k > (1 << 16))
-  for (int64_t c = 0; c < count; ++c) {
-    const int64_t r = rows ? rows[c] : c, i = r % kTile;
-    const uint8_t* tile = w + r / kTile * kTile * row_bytes;
+  for_each_tiled_row(format, w, k, rows, count, out,
+                     [format](const uint8_t* tile, int64_t i, int64_t nb, float* o) {
     const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
     for (int64_t b = 0; b < nb; ++b) {
       const float d = half_to_float(dh + 2 * (b * kTile + i));
@@ -541,14 +541,13 @@ void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t
       for (int j = 0; j < 32; ++j) {
         const int q = code_at<C>(tile, i, b, j);
         // As gguf computes them: d * q (+ m: Q4_1, Q5_1), Q4_0 as d * (q - 8), Q5_0 as
-        // d * (q - 16);
-        // all exact in fp32.
-        out[c * k + b * 32 + j] = format == 0   ? d * static_cast<float>(q - 8)
-                                  : format == 3 ? d * static_cast<float>(q - 16)
-                                                : d * static_cast<float>(q) + mn;
+        // d * (q - 16); all exact in fp32.
+        o[b * 32 + j] = format == 0   ? d * static_cast<float>(q - 8)
+                        : format == 3 ? d * static_cast<float>(q - 16)
+                                      : d * static_cast<float>(q) + mn;
       }
     }
-  }
+  });
 }
 
 void linear_of(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const uint8_t* w,
