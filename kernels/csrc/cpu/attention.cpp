@@ -627,6 +627,14 @@ void attend_split(const std::vector<Item>& items, const float* query, const uint
   }
 }
 
+// Work (query x visible-key pairs x head dimension, over all heads) from which attention
+// runs its items on every thread. Lower than the linears' kParallelWork: a key costs ~30
+// of a linear's multiply-adds here (the fp16/int8 conversion, the online softmax), and
+// at kParallelWork one decoding stream's attention over ~100 keys ran on one thread
+// (16 heads: 37 µs per layer, 18 µs on both threads, alternated in one process). The
+// items and their arithmetic are the same either way, so are the bits.
+constexpr int64_t kAttentionParallelWork = int64_t{1} << 14;
+
 }  // namespace
 
 // out[t, h, :] = attention of query t, head h over its sequence's cache (see top).
@@ -648,7 +656,7 @@ HR_EXPORT void hr_paged_attention(const float* query, const void* key_cache,
     work += (query_start[i + 1] - query_start[i]) *
             (window > 0 ? std::min<int64_t>(window, context_lens[i]) : context_lens[i]) *
             heads * dim;
-  const bool parallel = work >= kParallelWork;
+  const bool parallel = work >= kAttentionParallelWork;
   // One item per (sequence, KV head, query tile): each item transposes what it reads
   // (splitting a decoding sequence's 3 items per query head measured slower on 2 cores
   // than the imbalance). Too few items for the threads, and some spanning partitions:
