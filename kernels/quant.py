@@ -399,19 +399,11 @@ def _scale_min_k(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _qk(data: torch.Tensor, rows: int, high_bits: bool) -> torch.Tensor:
-    size = 176 if high_bits else 144
-    raw = data.reshape(rows, -1, size)
-    b = raw.int()
-    d, dmin = _halves(raw[..., 0:2]), _halves(raw[..., 2:4])
-    sc, mn = _scale_min_k(b[..., 4:16])
-    qs = b[..., size - 128 :].reshape(rows, -1, 4, 1, 32)
-    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(rows, -1, 8, 32)
-    if high_bits:
-        qh = b[..., 16:48].reshape(rows, -1, 1, 32)
-        q = q | ((qh >> torch.arange(8, dtype=torch.int32).reshape(8, 1)) & 1) << 4
-    scale = (d * sc.float()).unsqueeze(-1)
+    codes, sc, mn, d, dmin = _qk_fields(data, rows, high_bits)
+    d, dmin = d.float().repeat_interleave(8, dim=1), dmin.float().repeat_interleave(8, dim=1)
+    scale = (d * sc.float()).unsqueeze(-1)  # per block of 32: d * sc, exact in fp32
     offset = (dmin * mn.float()).unsqueeze(-1)
-    return scale * q.float() - offset
+    return (scale * codes.float() - offset).reshape(rows, -1, 8, 32)
 
 
 def _q6k(data: torch.Tensor, rows: int) -> torch.Tensor:
