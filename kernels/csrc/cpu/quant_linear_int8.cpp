@@ -96,7 +96,20 @@ inline int64_t row_bytes_of(int64_t format, int64_t nb) {
   return nb * (format == 4 ? 24 : format == 3 ? 22 : format == 2 ? 34 : format == 1 ? 20 : 18);
 }
 
+// One block of 32 activations: amax over |x|, codes nearbyint(x * 127 / amax) (round half
+// to even), their sums. The AVX-512 path computes the same bits as the scalar one: max is
+// exact in any order, each product is one rounding, cvtps rounds as nearbyint does.
 void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x16) {
+#ifdef __AVX512F__
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  const int halves[2] = {_mm512_reduce_add_epi32(qa), _mm512_reduce_add_epi32(qb)};
+#else
   float amax = 0.0f;
   for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -106,6 +119,7 @@ void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x
     q[i] = static_cast<int8_t>(v);
     halves[i / 16] += v;
   }
+#endif
   *dx = amax / 127.0f;
   *dxs = *dx * static_cast<float>(halves[0] + halves[1]);
   x16[0] = halves[0];
