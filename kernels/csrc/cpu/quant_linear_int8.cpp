@@ -46,7 +46,8 @@
 // [2][16] bytes of its scales_h (byte h * 16 + i: bits 2j, 2j + 1 = the top bits of
 // ls_4h+j), [16] fp16 d: the file's 136 bytes per 256 weights and row.
 // Both are read as the unsigned codes u = v[q] + 128 (1..241; one byte shuffle per vector
-// of nibbles), so S = sum(u * xq) is Q8_0's dot product; the 128 is taken off in int32,
+// of nibbles), so S = sum(u * xq) is Q8_0's dot product; the 128 is taken off in int32
+// (the sum starts at -128 * sum(xq), computed with the activations' codes), so it ends at
 // T = S - 128 * sum(xq) = sum(v * xq) exactly, and acc = fma(T, scale_b * dx_b, acc), one
 // float operation per block (scale_b: d, or IQ4_XS's d * (ls_b - 32), exact in fp32: an
 // fp16 times 6 bits). Q8_0's two (S * d * dx, then the min -128 d * dx * sum(xq)) would
@@ -98,6 +99,7 @@ struct QuantizedRows {
   std::vector<float> dx;     // [n][nb]
   std::vector<float> dxs;    // [n][nb]
   std::vector<int32_t> x16;  // [n][nb][2]: the codes' sum over each half of 16 (Q6_K)
+  std::vector<int32_t> xm;   // [n][nb]: -128 * the codes' sum (IQ4's sums start there)
 };
 
 // Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6
@@ -114,7 +116,8 @@ inline int64_t row_bytes_of(int64_t format, int64_t nb) {
 // One block of 32 activations: amax over |x|, codes nearbyint(x * 127 / amax) (round half
 // to even), their sums. The AVX-512 path computes the same bits as the scalar one: max is
 // exact in any order, each product is one rounding, cvtps rounds as nearbyint does.
-void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x16) {
+void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x16,
+                    int32_t* xm) {
 #ifdef __AVX512F__
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -139,6 +142,7 @@ void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x
   *dxs = *dx * static_cast<float>(halves[0] + halves[1]);
   x16[0] = halves[0];
   x16[1] = halves[1];
+  *xm = -128 * (halves[0] + halves[1]);
 }
 
 void quantize_rows(const float* x, int64_t n, int64_t k, QuantizedRows& out) {
@@ -147,10 +151,11 @@ void quantize_rows(const float* x, int64_t n, int64_t k, QuantizedRows& out) {
   out.dx.resize(n * nb);
   out.dxs.resize(n * nb);
   out.x16.resize(n * nb * 2);
+  out.xm.resize(n * nb);
 #pragma omp parallel for schedule(static) if (n >= 16)
   for (int64_t i = 0; i < n * nb; ++i)
     quantize_block(x + i * 32, out.q.data() + i * 32, out.dx.data() + i, out.dxs.data() + i,
-                   out.x16.data() + 2 * i);
+                   out.x16.data() + 2 * i, out.xm.data() + i);
 }
 
 // 16 int32 lanes: one zmm with AVX-512, two ymm with AVX2.
@@ -183,8 +188,7 @@ inline I16 or16(I16 a, I16 b) { return {_mm512_or_si512(a.v, b.v)}; }
 inline I16 lookup16(I16 a, __m128i table) {
   return {_mm512_shuffle_epi8(_mm512_broadcast_i32x4(table), a.v)};
 }
-// a - c, per int32 lane.
-inline I16 minus(I16 a, int32_t c) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(c))}; }
+inline I16 splat16(int32_t c) { return {_mm512_set1_epi32(c)}; }
 // IQ4_XS's top bits of ls for 4 blocks x 16 rows (`h`: the tile's [2][16] scales_h bytes):
 // 128-bit lane c holds bits s, s + 1 of byte c / 2 of each row's scales_h, at bits 4, 5,
 // s = 4 (c % 2) + `odd` (blocks 2c + odd).
@@ -276,10 +280,7 @@ inline I16 lookup16(I16 a, __m128i table) {
   const __m256i t = _mm256_broadcastsi128_si256(table);
   return {_mm256_shuffle_epi8(t, a.lo), _mm256_shuffle_epi8(t, a.hi)};
 }
-inline I16 minus(I16 a, int32_t c) {
-  const __m256i v = _mm256_set1_epi32(c);
-  return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)};
-}
+inline I16 splat16(int32_t c) { return {_mm256_set1_epi32(c), _mm256_set1_epi32(c)}; }
 // As the AVX-512 one: lo holds blocks of lanes c = 0, 1 (byte 0 of scales_h), hi c = 2, 3.
 inline __m256i iq4xs_tops_half(const uint8_t* h, int odd) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
@@ -481,8 +482,9 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
       continue;
     }
     if constexpr (kIQ4<C>) {
+      // Each sum starts at -128 * sum(xq): it ends at sum(v * xq), exact in int32.
       I16 s[NR];
-      for (int j = 0; j < NR; ++j) s[j] = zero16();
+      for (int j = 0; j < NR; ++j) s[j] = splat16(xr.xm[(j0 + j) * nb + b]);
       for (int t = 0; t < 8; ++t)
         for (int j = 0; j < NR; ++j)
           s[j] = dot4(s[j], u[t], load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t), true);
@@ -497,9 +499,7 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
       }
       for (int j = 0; j < NR; ++j) {
         const int64_t at = (j0 + j) * nb + b;
-        const int32_t* x16 = xr.x16.data() + 2 * at;
-        const I16 sum = minus(s[j], 128 * (x16[0] + x16[1]));  // sum(v * xq), exact
-        acc[j] = fma16(to_float(sum), scale * xr.dx[at], acc[j]);
+        acc[j] = fma16(to_float(s[j]), scale * xr.dx[at], acc[j]);
       }
       continue;
     }
