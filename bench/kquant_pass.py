@@ -7,7 +7,9 @@ the int8 kernel on kernels/quant.py for_int8's formats; ``quantized-int8, Q5_0/Q
 Q8_0``: the same with every Q5_0 matrix widened to Q8_0 (exactly) and every Q6_K one
 requantized to Q8_0 at load, as for_int8 did before the int8 kernel read them, for files
 that have them; ``quantized-int8, Q4_K as Q4_1``: every Q4_K matrix converted to Q4_1 at
-load, as for_int8 did before the int8 kernel read Q4_K). Reported: ms per pass, the
+load, as for_int8 did before the int8 kernel read Q4_K; ``quantized-int8, IQ4 as Q8_0``:
+every IQ4_NL / IQ4_XS matrix requantized to Q8_0 at load, as for_int8 did before the
+int8 kernel read them). Reported: ms per pass, the
 passes per second that bounds tokens/s, and the GB/s of weight bytes read, beside a plain
 read of a large tensor (what this machine streams, same threads). The cases alternate
 within each repetition (A/B interleaved): the machine is shared, so a busy spell hits all
@@ -40,14 +42,23 @@ from kernels.quant import FORMATS
 
 WIDENED = "quantized-int8, Q5_0/Q6_K as Q8_0"
 AS_Q4_1 = "quantized-int8, Q4_K as Q4_1"
+IQ4_AS_Q8_0 = "quantized-int8, IQ4 as Q8_0"
+OLD_MODES = (WIDENED, AS_Q4_1, IQ4_AS_Q8_0)
 
 
-def matrices(path: str, int8: bool, widen: bool = False, q4_1: bool = False) -> list:
+def matrices(
+    path: str, int8: bool, widen: bool = False, q4_1: bool = False, iq4: bool = False
+) -> list:
     """Every projection of the file's model in a decode step's order, as the engine holds
     them (fused q|k|v and gate|up), then the lm_head. ``widen``: Q5_0 matrices as Q8_0
     (exactly: codes q - 16, the same d), Q6_K ones requantized to Q8_0; ``q4_1``: Q4_K
-    matrices as Q4_1 (kernels/quant.py as_q4_1)."""
+    matrices as Q4_1 (kernels/quant.py as_q4_1); ``iq4``: IQ4_NL and IQ4_XS matrices
+    requantized to Q8_0."""
     q = load_model(path, quantized=True, progress=False).weights
+    if iq4:
+        old = (FORMATS["iq4_nl"], FORMATS["iq4_xs"])
+        q = {k: w.as_q8_0() if getattr(w, "format", None) in old else w
+             for k, w in q.items()}  # fmt: skip
     if q4_1:
         q = {k: w.as_q4_1() if getattr(w, "format", None) == FORMATS["q4_k"] else w
              for k, w in q.items()}  # fmt: skip
@@ -123,13 +134,15 @@ def main(argv: list[str] | None = None) -> None:
         args.files = [*made, str(default_model_path())]
     cases = {}
     for path in args.files:
-        for mode in ("quantized", "quantized-int8", WIDENED, AS_Q4_1):
+        for mode in ("quantized", "quantized-int8", *OLD_MODES):
             int8 = mode != "quantized"
-            ws = matrices(path, int8, widen=mode == WIDENED, q4_1=mode == AS_Q4_1)
-            if mode in (WIDENED, AS_Q4_1) and sum(w.nbytes for w in ws) == sum(
+            ws = matrices(
+                path, int8, widen=mode == WIDENED, q4_1=mode == AS_Q4_1, iq4=mode == IQ4_AS_Q8_0
+            )
+            if mode in OLD_MODES and sum(w.nbytes for w in ws) == sum(
                 w.nbytes for w in cases[(Path(path).name, "quantized-int8")][0]
             ):
-                continue  # no Q5_0 or Q6_K (no Q4_K) in this file
+                continue  # none of the formats this mode converts in this file
             xs = {w.cols: torch.randn(1, w.cols) for w in ws}
             cases[(Path(path).name, mode)] = (ws, xs, int8)
     samples: dict = {key: [] for key in cases}

@@ -7,16 +7,17 @@ the top of kernels/csrc/cpu/quant_linear.cpp); nothing is requantized, so every 
 dequantizes to exactly the fp32 value of ``gguf.quants.dequantize``. Q5_0, Q5_1 and the
 K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) and IQ4_NL / IQ4_XS (4-bit indices into
 a fixed table of 16 values; IQ4_XS in super-blocks of 256) keep the file's bytes unchanged
-(``file_order``): the exact kernel reads their blocks in place; of these Q5_0, Q5_1, Q4_K,
-Q5_K and Q6_K have a tiled layout (``INT8_FILE_ORDER``), the others (IQ4_NL, IQ4_XS) are
-converted by ``for_int8``.
+(``file_order``): the exact kernel reads their blocks in place, and each has a tiled layout
+for the int8 kernel too (``INT8_FILE_ORDER``).
 
 The int8 kernel reads a second arrangement of the same bytes, ``tiled()``: rows in tiles
 of 16, each block's codes interleaved 4 at a time across the tile's rows (spelled out in
 quant_linear_int8.cpp), so one integer dot product per 64 bytes advances 16 rows' sums in
 their own lanes; a tile's scales follow its codes (Q5_0's 5th bits and Q6_K's top 2 bits
 follow each block's nibbles, as planes of their own; Q4_K's packed 6-bit scales and mins
-are regrouped per tile, 12 bytes per super-block and row as in the file).
+are regrouped per tile, 12 bytes per super-block and row as in the file; IQ4_NL is Q4_0's
+layout with table indices for codes, IQ4_XS the same indices with its packed 6-bit scales
+and d per super-block, 136 bytes per 256 weights and row as in the file).
 
 ``dequantize`` here is the torch reference of both layouts (the kernels' test oracle).
 """
@@ -64,13 +65,16 @@ STACKED = BlockFormat("stacked", 8, 0, 0, 0, file_order=True)
 # tiled layout (quant_linear_int8.cpp): Q5_0 (the nibbles as Q4_0's, then a plane of 5th
 # bits) and Q6_K (the nibbles, then 2 vectors of top 2 bits; int8 sub-block scales, fp16 d).
 # Q4_K: the nibbles as Q4_0's, the 6-bit scales and mins repacked per tile, fp16 d and dmin;
-# Q5_K: the same with Q5_0's plane of 5th bits; Q5_1: Q5_0's codes, fp16 d and m.
-INT8_FILE_ORDER = frozenset({"q5_0", "q5_1", "q4_k", "q5_k", "q6_k"})
+# Q5_K: the same with Q5_0's plane of 5th bits; Q5_1: Q5_0's codes, fp16 d and m. IQ4_NL:
+# Q4_0's layout (the nibbles are table indices); IQ4_XS: the same nibbles, then per
+# super-block its packed 6-bit scales and fp16 d.
+INT8_FILE_ORDER = frozenset({"q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"})
 
 
 def _tiled_bytes(f: BlockFormat) -> tuple[int, int]:
     """Code bytes per block and row, and fp16 fields per block, in the tiled layout."""
-    table = {"q5_0": (20, 1), "q5_1": (20, 2), "q4_k": (16, 0), "q5_k": (20, 0), "q6_k": (24, 0)}
+    table = {"q5_0": (20, 1), "q5_1": (20, 2), "q4_k": (16, 0), "q5_k": (20, 0), "q6_k": (24, 0),
+             "iq4_nl": (16, 1), "iq4_xs": (16, 0)}  # fmt: skip
     return table.get(f.name, (f.code_bytes, f.scale_fields))
 
 
@@ -163,20 +167,17 @@ class QuantizedWeight:
         return QuantizedWeight(first.format, data, data.shape[0], first.cols)
 
     def for_int8(self) -> QuantizedWeight:
-        """This weight in a format the int8 kernel has (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K,
-        Q5_K, Q6_K), for the formats kept in file order: Q5_0, Q5_1, Q4_K, Q5_K and Q6_K stay
-        as they are (the kernel reads their codes in its tiled layout: the file's 22 and 24
-        bytes per 32 weights, 144, 176 and 210 per 256); IQ4_NL and IQ4_XS are requantized to
-        Q8_0 (d = max|w| / 127 per block of 32 in fp16, codes rounded: at most d / 2 per
-        weight).
-        The int8 numerics approximate anyway (activations in 8 bits, ~0.4% per element); the
-        exact kernel keeps the file's weights."""
+        """This weight in a format the int8 kernel has: every block format stays as it is
+        (the kernel reads its codes in its tiled layout, as many bytes as the file's: Q5_0
+        and Q5_1 22 and 24 per 32 weights, IQ4_NL 18, Q4_K, Q5_K, Q6_K and IQ4_XS 144, 176,
+        210 and 136 per 256); a stack of per-row parts is refused (convert the parts, then
+        stack them)."""
         f = self.format
         if not f.file_order or f.name in INT8_FILE_ORDER or self.tiled_layout:
             return self
         if self.parts:
             raise ValueError("for_int8: convert the parts, then stack or fuse them")
-        return _requantize_q8_0(self.dequantize())
+        raise ValueError(f"{f.name}: no int8 kernel for this format yet")
 
     def as_q4_1(self) -> QuantizedWeight:
         """A Q4_K weight as Q4_1 (what int8 mode did with Q4_K before the int8 kernel read it;
@@ -218,6 +219,8 @@ class QuantizedWeight:
             return _tiled_q6_k(self)
         if f.name in ("q4_k", "q5_k"):
             return _tiled_qk(self)
+        if f.name == "iq4_xs":
+            return _tiled_iq4_xs(self)
         code_bytes, fields = _tiled_bytes(f)
         padded = -(-rows // TILE) * TILE
         codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
@@ -247,8 +250,8 @@ class QuantizedWeight:
         return QuantizedWeight(f, data, rows, self.cols, tiled_layout=True)
 
     def codes(self) -> torch.Tensor:
-        """The codes [rows, nb, 32] (uint8: nibbles 0..15, Q5_x's 0..31, or int8's bytes),
-        either layout."""
+        """The codes [rows, nb, 32] (uint8: nibbles 0..15 (IQ4: table indices), Q5_x's
+        0..31, or int8's bytes), either layout."""
         f, nb = self._regrouped(), self.cols // BLOCK
         code_bytes, fields = _tiled_bytes(f)
         if not self.tiled_layout:
@@ -258,6 +261,8 @@ class QuantizedWeight:
                 return _q6k_fields(self.data, self.rows)[0].reshape(self.rows, nb, BLOCK)
             if f.name in ("q4_k", "q5_k"):
                 return _qk_fields(self.data, self.rows, f.name == "q5_k")[0]
+            if f.name in ("iq4_nl", "iq4_xs"):
+                return _iq4_fields(self.data, self.rows, f.name == "iq4_xs")[0]
             blocks = self.data[:, : nb * f.code_bytes].reshape(self.rows, nb, f.code_bytes)
             return torch.cat([blocks & 15, blocks >> 4], -1) if f.code_bytes == 16 else blocks
         tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, : TILE * nb * code_bytes]
@@ -280,11 +285,13 @@ class QuantizedWeight:
         """The fp16 scales [rows, fields, nb] (d, then m for Q4_1 and Q5_1), either layout
         (K-quants: ``q4_k_scales``, ``q6_k_scales``)."""
         f, nb = self._regrouped(), self.cols // BLOCK
-        if f.name in ("q4_k", "q5_k", "q6_k"):
-            see = "q6_k_scales" if f.name == "q6_k" else "q4_k_scales"
+        if f.name in ("q4_k", "q5_k", "q6_k", "iq4_xs"):
+            see = {"q6_k": "q6_k_scales", "iq4_xs": "iq4_xs_scales"}.get(f.name, "q4_k_scales")
             raise ValueError(f"{f.name}: scales per super-block of 256, see {see}")
         code_bytes, fields = _tiled_bytes(f)
         if not self.tiled_layout:
+            if f.name == "iq4_nl":
+                return _iq4_fields(self.data, self.rows, False)[1].reshape(self.rows, 1, nb)
             if f.name in ("q5_0", "q5_1"):  # d (and m) before each block's codes
                 raw = self.data.reshape(self.rows, nb, 20 + 2 * fields)[..., : 2 * fields]
                 h = raw.contiguous().view(torch.float16).reshape(self.rows, nb, fields)
@@ -329,6 +336,24 @@ class QuantizedWeight:
         out += [halves[:, :, f].permute(0, 2, 1).reshape(-1, nsb) for f in (0, 1)]
         return tuple(v[: self.rows] for v in out)
 
+    def iq4_xs_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """An IQ4_XS weight's 6-bit block scales ls [rows, nb] (uint8; the block's scale is
+        d * (ls - 32)) and fp16 d [rows, nsb], either layout."""
+        if not self.tiled_layout:
+            return _iq4_fields(self.data, self.rows, True)[1:]
+        nb, nsb = self.cols // BLOCK, self.cols // 256
+        tiles = self.data.reshape(-1, TILE * self.data.shape[1])[:, TILE * nb * 16 :]
+        per_sb = tiles.reshape(-1, nsb, 128)
+        low = per_sb[:, :, :64].reshape(-1, nsb, 4, 1, TILE).int()  # blocks 2c, 2c + 1
+        low = torch.cat([low & 15, low >> 4], dim=3).reshape(-1, nsb, 8, TILE)
+        high = per_sb[:, :, 64:96].reshape(-1, nsb, 2, 1, TILE).int()  # blocks 4h..4h + 3
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32).reshape(4, 1)
+        high = ((high >> shifts) & 3).reshape(-1, nsb, 8, TILE)
+        ls = (low | high << 4).to(torch.uint8).permute(0, 3, 1, 2).reshape(-1, nb)
+        d = per_sb[:, :, 96:].contiguous().view(torch.float16).reshape(-1, nsb, TILE)
+        d = d.permute(0, 2, 1).reshape(-1, nsb)
+        return ls[: self.rows], d[: self.rows]
+
     def _regrouped(self) -> BlockFormat:
         if self.format.file_order and self.format.name not in INT8_FILE_ORDER:
             raise ValueError(f"{self.format.name}: codes and scales are read in file order")
@@ -346,6 +371,11 @@ class QuantizedWeight:
             scale = (d.float().unsqueeze(-1) * sc.float()).reshape(self.rows, -1, 1)
             q = (self.codes().int() - 32).float().reshape(self.rows, -1, 16)
             return (scale * q).reshape(self.rows, self.cols)
+        if f.name == "iq4_xs":  # as gguf: (d * (ls - 32)) * value, per block of 32
+            ls, d = self.iq4_xs_scales()
+            dl = d.float().repeat_interleave(8, 1) * (ls.int() - 32).float()
+            values = _IQ4_TABLE[self.codes().long()]
+            return (dl.unsqueeze(-1) * values).reshape(self.rows, self.cols)
         if f.name in ("q4_k", "q5_k"):  # as gguf: (d * sc) * q - dmin * m, per block of 32
             sc, mn, d, dmin = self.q4_k_scales()
             scale = (d.float().repeat_interleave(8, 1) * sc.float()).unsqueeze(-1)
@@ -356,6 +386,8 @@ class QuantizedWeight:
         q = self.codes()
         if f.code_bytes == 32:  # int8 codes
             return (q.view(torch.int8).float() * d).reshape(self.rows, self.cols)
+        if f.name == "iq4_nl":  # as gguf: d * value
+            return (d * _IQ4_TABLE[q.long()]).reshape(self.rows, self.cols)
         if f.name == "q5_0":  # as gguf: d * (q - 16)
             return (d * (q.int() - 16).float()).reshape(self.rows, self.cols)
         with_min = _tiled_bytes(f)[1] == 2  # Q4_1, Q5_1: as gguf, d * q + m
@@ -415,12 +447,30 @@ def _q6k(data: torch.Tensor, rows: int) -> torch.Tensor:
 
 # llama.cpp's kvalues_iq4nl: the 16 values a 4-bit IQ4_NL / IQ4_XS index stands for.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_IQ4_TABLE = torch.tensor(IQ4_VALUES, dtype=torch.float32)
 
 
 def _iq4_values(qs: torch.Tensor) -> torch.Tensor:
     """Index bytes [..., 16] -> table values [..., 32] (low nibbles 0-15, high 16-31)."""
-    table = torch.tensor(IQ4_VALUES, dtype=torch.float32)
-    return table[torch.cat([qs & 15, qs >> 4], dim=-1).long()]
+    return _IQ4_TABLE[torch.cat([qs & 15, qs >> 4], dim=-1).long()]
+
+
+def _iq4_fields(data: torch.Tensor, rows: int, xs: bool) -> tuple[torch.Tensor, ...]:
+    """IQ4_NL's (xs: IQ4_XS's) table indices [rows, nb, 32] (uint8 0..15, in value order)
+    and fp16 d [rows, nb] (IQ4_XS: 6-bit block scales ls [rows, nb] (uint8), fp16 d
+    [rows, nsb]): what _iq4nl / _iq4xs dequantize and the int8 tiles hold."""
+    raw = data.reshape(rows, -1, 136 if xs else 18)
+    qs = raw[..., 8:].reshape(rows, -1, 16) if xs else raw[..., 2:]
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(rows, -1, BLOCK)
+    d = raw[..., :2].contiguous().view(torch.float16).reshape(rows, -1)
+    if not xs:
+        return codes, d
+    b = raw.int()
+    high = (b[..., 2] | b[..., 3] << 8).unsqueeze(-1)  # scales_h: 2 bits per block
+    j = torch.arange(8, dtype=torch.int32)
+    low = (b[..., 4 + j // 2] >> (4 * (j % 2))) & 15  # scales_l: a nibble per block
+    ls = (low | ((high >> (2 * j)) & 3) << 4).to(torch.uint8).reshape(rows, -1)
+    return codes, ls, d
 
 
 def _iq4nl(data: torch.Tensor, rows: int) -> torch.Tensor:
@@ -506,6 +556,33 @@ def _tiled_qk(w: QuantizedWeight) -> QuantizedWeight:
     tiles = torch.cat([nibbles, packed.reshape(-1, nsb * 192), halves.reshape(-1, nsb * 64)], dim=1)
     data = tiles.reshape(padded, -1).contiguous()
     return QuantizedWeight(w.format, data, rows, w.cols, tiled_layout=True)
+
+
+def _tiled_iq4_xs(w: QuantizedWeight) -> QuantizedWeight:
+    """IQ4_XS in the int8 kernel's tiled layout (quant_linear_int8.cpp): per tile, block by
+    block of 32 the table indices as Q4_0's 4 vectors; then per super-block of 256 [4][16]
+    bytes of the file's scales_l (byte c * 16 + i: the 4-bit low parts of ls of blocks 2c
+    and 2c + 1 of row i), [2][16] bytes of its scales_h (byte h * 16 + i: 2 bits of ls of
+    each of blocks 4h..4h + 3) and [16] fp16 d. The file's 136 bytes per 256 and row."""
+    rows, nb, nsb = w.rows, w.cols // BLOCK, w.cols // 256
+    padded = -(-rows // TILE) * TILE
+    codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
+    ls = torch.zeros(padded, nsb, 8, dtype=torch.uint8)
+    d = torch.zeros(padded, nsb, dtype=torch.float16)
+    c, s, d[:rows] = _iq4_fields(w.data, rows, True)
+    codes[:rows], ls[:rows] = c, s.reshape(rows, nsb, 8)
+    codes = codes.reshape(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, b, t, i, k]
+    nibbles = (codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)).reshape(-1, nb * TILE * 16)
+    low = (ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)  # [padded, nsb, 4]
+    top = (ls >> 4).reshape(padded, nsb, 2, 4)
+    top = (top << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    tiles = padded // TILE
+    low = low.reshape(tiles, TILE, nsb, 4).permute(0, 2, 3, 1).reshape(tiles, nsb, 64)
+    top = top.reshape(tiles, TILE, nsb, 2).permute(0, 2, 3, 1).reshape(tiles, nsb, 32)
+    halves = d.view(torch.uint8).reshape(tiles, TILE, nsb, 2).permute(0, 2, 1, 3)
+    scales = torch.cat([low, top, halves.reshape(tiles, nsb, 32)], dim=-1)  # 128 a super-block
+    data = torch.cat([nibbles, scales.reshape(tiles, -1)], dim=1).reshape(padded, -1)
+    return QuantizedWeight(w.format, data.contiguous(), rows, w.cols, tiled_layout=True)
 
 
 def _tiled_q6_k(w: QuantizedWeight) -> QuantizedWeight:

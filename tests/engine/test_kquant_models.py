@@ -1,8 +1,8 @@
 """Whole models whose matrices are K-quants and Q5_x (a Q4_K_M file's mix) or IQ4_NL / IQ4_XS,
 loaded in their blocks: the loader keeps them (an unsupported type loads dense, named in one
 warning), the fused q|k|v of mixed formats stays quantized, the fused decoder call gives the
-per-op path's bits, and the result is the dense model's; int8 mode reads Q5_0, Q4_K, Q5_K
-and Q6_K in its own layouts and converts the others to its formats.
+per-op path's bits, and the result is the dense model's; int8 mode reads each of them
+(Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) in its own tiled layout.
 
 The files are tiny llamas written here with random blocks (gguf-py cannot quantize to
 K-quants); transformers loads the same files for the greedy parity checks.
@@ -232,20 +232,41 @@ def test_int8_mode_keeps_q6_k_in_its_blocks(tmp_path, monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_int8_mode_requantizes_iq4_to_q8_0(tmp_path, monkeypatch):
-    path = _write(tmp_path / "iq4.gguf", MIXES["iq4"], monkeypatch)
+def test_int8_mode_keeps_iq4_in_its_blocks(tmp_path, monkeypatch):
+    """The iq4 mix with an IQ4_XS token embedding (tied: the lm_head too): q IQ4_XS over
+    IQ4_NL k and v (a stack of the two tiled), gate|up IQ4_XS, down IQ4_NL, none
+    requantized to Q8_0: the int8 kernel reads each in its tiled layout (the file's 18
+    bytes per 32 weights, 136 per 256), every row the file's weights, the embedding lookup
+    the file's rows; the fused call gives the per-op bits."""
+    path = _write(tmp_path / "iq4.gguf", {**MIXES["iq4"], (260, 256): Q.IQ4_XS}, monkeypatch)
     loaded = load_model(str(path), progress=False, quantized=True)
-    kept = loaded.weights["model.layers.0.self_attn.q_proj.weight"]
-    assert kept.format.name == "iq4_xs"
-    exact = loaded.weights["model.layers.0.self_attn.o_proj.weight"].dequantize()
+    exact = {name: w.dequantize() for name, w in loaded.weights.items() if len(w.shape) == 2}
     model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
-    layer = model.layers[0]
-    names = [p.quantized.format.name for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-    assert names == ["q8_0"] * 4
-    # Q8_0 with d = max|w| / 127 per block: every weight within d / 2 (+ fp16 rounding of d).
-    blocks = exact.reshape(exact.shape[0], -1, 32)
-    err = (layer.o_proj.quantized.dequantize() - exact).abs().reshape(blocks.shape)
-    assert bool((err <= 0.5 * blocks.abs().amax(-1, keepdim=True) / 127 * 1.01).all())
+    assert model.fused_layers
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        qkv = layer.qkv.quantized
+        assert qkv.format.name == "stacked" and qkv.tiled_layout
+        assert [p.format.name for p in qkv.parts] == ["iq4_xs", "iq4_nl", "iq4_nl"]
+        q, k, v = (exact[prefix + f"self_attn.{n}_proj.weight"] for n in "qkv")
+        assert torch.equal(qkv.dequantize(), torch.cat([q, k, v]))
+        gate_up, down = layer.gate_up.quantized, layer.down.quantized
+        assert gate_up.format.name == "iq4_xs" and down.format.name == "iq4_nl"
+        assert gate_up.tiled_layout and down.tiled_layout
+        assert gate_up.nbytes == gate_up.rows * gate_up.cols // 256 * 136
+        assert down.nbytes == down.rows * down.cols // 32 * 18
+        assert torch.equal(down.dequantize(), exact[prefix + "mlp.down_proj.weight"])
+    embed = exact["model.embed_tokens.weight"]
+    assert model.embed_tokens is model.lm_head.quantized
+    assert model.embed_tokens.format.name == "iq4_xs" and model.embed_tokens.tiled_layout
+    token_ids = torch.tensor([1, 2, 3, 4, 5, 259])
+    assert torch.equal(model._embed(token_ids), embed[token_ids])
+    meta, positions, blocks = _step([5, 1], [5, 30])
+    outs = []
+    for fused in (False, True):
+        model.fused_layers = fused
+        outs.append(model.forward(token_ids, positions, _caches(model, blocks, seed=1), meta))
+    assert torch.equal(outs[0], outs[1])
 
 
 # Tiny files of each K-quant mix, against transformers loading the same file (it

@@ -40,11 +40,7 @@ KINDS = ["Q4_K_M", "IQ4_XS"]
 
 @pytest.fixture(scope="module", params=KINDS)
 def requantized(request) -> Path:
-    kind = request.param
-    cached = requantize.cache_dir() / "models" / f"SmolLM2-135M-Instruct.{kind}.gguf"
-    if requantize.quantize_tool() is None and not cached.is_file():
-        pytest.skip("llama-quantize is not built: run `make llama-quantize`")
-    return requantize.requantized(kind)
+    return _requantized_or_skip(request.param)
 
 
 def test_greedy_parity_with_transformers(requantized):
@@ -81,6 +77,13 @@ def _engine(path: Path, weights: str) -> Engine:
     return Engine(EngineConfig(model=str(path), cache=CacheConfig(num_blocks=64), device=device))
 
 
+def _requantized_or_skip(kind: str) -> Path:
+    cached = requantize.cache_dir() / "models" / f"SmolLM2-135M-Instruct.{kind}.gguf"
+    if requantize.quantize_tool() is None and not cached.is_file():
+        pytest.skip("llama-quantize is not built: run `make llama-quantize`")
+    return requantize.requantized(kind)
+
+
 def test_int8_on_the_q4_k_m_file_agrees_with_the_exact_path():
     """--weights quantized-int8 on the real Q4_K_M file: its Q5_0 matrices (most of the
     file) run from their own blocks in the int8 kernel's tiled Q5_0 (not widened to Q8_0),
@@ -88,13 +91,7 @@ def test_int8_on_the_q4_k_m_file_agrees_with_the_exact_path():
     the teacher-forced agreement and perplexity delta the int8 parity tests demand
     (tests/engine/test_parity.py MODES), here against the exact path on the same file, and
     batched decoding gives each prompt's tokens alone."""
-    from tests.engine.test_parity import MODES, TEXT, _StandaloneModel
-
-    kind = "Q4_K_M"
-    cached = requantize.cache_dir() / "models" / f"SmolLM2-135M-Instruct.{kind}.gguf"
-    if requantize.quantize_tool() is None and not cached.is_file():
-        pytest.skip("llama-quantize is not built: run `make llama-quantize`")
-    path = requantize.requantized(kind)
+    path = _requantized_or_skip("Q4_K_M")
     exact, int8 = _engine(path, "quantized"), _engine(path, "quantized-int8")
     model = int8.runner.model
     assert int8.weights == "quantized-int8" and model.fused_layers
@@ -103,6 +100,31 @@ def test_int8_on_the_q4_k_m_file_agrees_with_the_exact_path():
     down = [layer.down.quantized for layer in model.layers]
     assert {w.format.name for w in down} == {"q4_k", "q6_k"}
     assert all(w.tiled_layout for w in down)
+    _assert_int8_agrees_with_exact(exact, int8)
+
+
+def test_int8_on_the_iq4_xs_file_agrees_with_the_exact_path():
+    """--weights quantized-int8 on the real IQ4_XS file: its IQ4_NL matrices (every 576-wide
+    one) and IQ4_XS ones (most of down) run from their own blocks in the int8 kernel's
+    tiled layouts (not requantized to Q8_0), as many bytes as the file's; the agreement,
+    perplexity and batching checks of the Q4_K_M file's test."""
+    path = _requantized_or_skip("IQ4_XS")
+    exact, int8 = _engine(path, "quantized"), _engine(path, "quantized-int8")
+    model = int8.runner.model
+    assert int8.weights == "quantized-int8" and model.fused_layers
+    nl = [p.quantized for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up)]
+    assert all(w.format.name == "iq4_nl" and w.tiled_layout for w in nl)
+    assert all(w.nbytes == -(-w.rows // 16) * 16 * w.cols // 32 * 18 for w in nl)
+    down = [layer.down.quantized for layer in model.layers]
+    assert {w.format.name for w in down} == {"iq4_xs", "q5_k"}
+    assert all(w.tiled_layout for w in down)
+    _assert_int8_agrees_with_exact(exact, int8)
+
+
+def _assert_int8_agrees_with_exact(exact: Engine, int8: Engine) -> None:
+    from tests.engine.test_parity import MODES, TEXT, _StandaloneModel
+
+    model = int8.runner.model
     ids = exact.tokenizer.encode(TEXT)
     blocks = -(-len(ids) // 16)
     ref = _StandaloneModel(exact.runner.model, blocks=blocks).all_logits(ids)

@@ -145,12 +145,13 @@ def test_the_same_bits_on_every_isa():
                 assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"
 
 
-def test_k_quants_need_whole_super_blocks_and_iq4_has_no_int8_layout():
+def test_k_quants_need_whole_super_blocks_and_iq4_has_an_int8_layout():
     with pytest.raises(ValueError, match="multiple of 256"):
         QuantizedWeight.from_gguf("q4_k", random_blocks("q4_k", 2, 256)[:, :72], 128)
-    weight = QuantizedWeight.from_gguf("iq4_xs", random_blocks("iq4_xs", 2, 256), 256)
-    with pytest.raises(ValueError, match="iq4_xs: no int8 kernel for this format yet"):
-        weight.tiled()
+    for fmt in ("iq4_nl", "iq4_xs"):
+        weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 2, 256), 256)
+        tiled = weight.tiled()
+        assert tiled.format.name == fmt and tiled.tiled_layout
 
 
 def test_stacked_weights_of_different_formats():
@@ -232,24 +233,16 @@ def _q8_0_blocks(rows: int, cols: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", sorted(GGUF_TYPES))
 @pytest.mark.parametrize("n", [1, 9])
-def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
-    """for_int8: Q5_0, Q5_1, Q4_K, Q5_K and Q6_K kept (the int8 kernel reads their tiled
-    layouts), the rest requantized to Q8_0; the int8 product stays within
-    2% (norm) of the exact kernel's on the file's weights, the bound the int8 tests of the
-    other formats state."""
+def test_int8_mode_keeps_every_format_within_the_bound(fmt, n):
+    """for_int8: every format kept (the int8 kernel reads its tiled layout, as many bytes
+    as the file's blocks; IQ4_NL and IQ4_XS are no longer requantized to Q8_0); the int8
+    product stays within 2% (norm) of the exact kernel's on the file's weights, the bound
+    the int8 tests of the other formats state."""
     cols = widths(fmt)[1]
     plain = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 37, cols, seed=n), cols)
     converted = plain.for_int8()
-    kept = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
-    assert converted.format.name == (fmt if fmt in kept else "q8_0")
-    assert not converted.format.file_order or fmt in kept
-    w, w8 = plain.dequantize(), converted.dequantize()
-    if fmt in kept:
-        assert converted is plain and converted.tiled().nbytes == 48 * plain.data.shape[1]
-    else:  # a weight moves by at most half a Q8_0 step (its fp16 d: 2^-11 more at most)
-        step = w.reshape(37, -1, 32).abs().amax(-1, keepdim=True) / 127
-        bound = step / 2 * (1 + 2**-10) + 1e-7
-        assert ((w8 - w).reshape(37, -1, 32).abs() <= bound).all()
+    assert converted is plain and converted.tiled().nbytes == 48 * plain.data.shape[1]
+    assert torch.equal(converted.tiled().dequantize(), plain.dequantize())
     x = torch.randn(n, cols)
     x[0, :32] = 0.0
     got = cpu.quant_linear(x, converted.tiled(), int8=True)
@@ -257,15 +250,18 @@ def test_int8_mode_converts_to_its_formats_within_the_bound(fmt, n):
     assert ((got - exact).norm() / exact.norm()).item() < 0.02
 
 
-# Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in the int8 kernel's own tiled layouts
+# Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS in the int8 kernel's own tiled layouts
 # (quant_linear_int8.cpp): the low nibbles as Q4_0's tiles, then Q5_0's plane of 5th bits
 # and d (Q5_1: d and m), Q4_K's 6-bit scales
 # and mins and d, dmin (Q5_K: with Q5_0's plane), or Q6_K's 2 vectors of top bits, int8
-# sub-block scales and d; as many bytes as the file's blocks.
-NATIVE_INT8 = ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+# sub-block scales and d; IQ4_NL's table indices as Q4_0's nibbles and d, IQ4_XS's with
+# its packed 6-bit scales and d per super-block; as many bytes as the file's blocks.
+NATIVE_INT8 = ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
 LAYOUT_WIDTHS = {"q5_0": [32, 64, 576], "q5_1": [32, 64, 576], "q4_k": [256, 512, 768],
-                 "q5_k": [256, 512, 768], "q6_k": [256, 512, 768]}  # fmt: skip
-CODE_MAX = {"q5_0": 31, "q5_1": 31, "q4_k": 15, "q5_k": 31, "q6_k": 63}
+                 "q5_k": [256, 512, 768], "q6_k": [256, 512, 768], "iq4_nl": [32, 64, 576],
+                 "iq4_xs": [256, 512, 768]}  # fmt: skip
+CODE_MAX = {"q5_0": 31, "q5_1": 31, "q4_k": 15, "q5_k": 31, "q6_k": 63, "iq4_nl": 15,
+            "iq4_xs": 15}  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", NATIVE_INT8)
@@ -284,9 +280,13 @@ def test_native_int8_tiled_layout_holds_the_same_weights(fmt, width, rows):
     )
     codes = plain.codes()
     assert codes.max() <= CODE_MAX[fmt] and torch.equal(tiled.codes(), codes)
-    if fmt in ("q5_0", "q5_1"):
-        assert tiled.scales().shape == (rows, 1 if fmt == "q5_0" else 2, cols // 32)
+    if fmt in ("q5_0", "q5_1", "iq4_nl"):
+        assert tiled.scales().shape == (rows, 2 if fmt == "q5_1" else 1, cols // 32)
         assert torch.equal(tiled.scales(), plain.scales())
+    elif fmt == "iq4_xs":
+        scales = plain.iq4_xs_scales()
+        assert int(scales[0].max()) <= 63
+        assert all(map(torch.equal, tiled.iq4_xs_scales(), scales))
     elif fmt in ("q4_k", "q5_k"):
         scales = plain.q4_k_scales()
         assert max(int(v.max()) for v in scales[:2]) <= 63
@@ -313,7 +313,8 @@ def test_native_int8_is_the_exact_product_of_quantized_activations(fmt, n, width
     of 32 as the kernel does, the file's weights (Q5_0: codes 0..31 with m = -16 d; Q5_1:
     codes 0..31 with its m; Q4_K:
     codes 0..15 (Q5_K 0..31), d * sc * q - dmin * m per block of 32; Q6_K: codes 0..63,
-    (q - 32) * d * sc per half-block of 16)."""
+    (q - 32) * d * sc per half-block of 16; IQ4_NL: d * v[q], IQ4_XS: d * (ls - 32) * v[q]
+    per block of 32, v llama.cpp's table of 16 values)."""
     cols = [LAYOUT_WIDTHS[fmt][0], 576 if fmt == "q5_0" else 1536][width]
     blocks = random_blocks(fmt, rows, cols, seed=n + cols)
     weight = QuantizedWeight.from_gguf(fmt, blocks, cols).tiled()
@@ -347,9 +348,10 @@ def test_native_int8_rows_do_not_depend_on_the_batch(fmt):
 
 @pytest.mark.parametrize("fmt", NATIVE_INT8)
 def test_native_int8_gives_the_same_bits_on_every_isa(fmt):
-    """VNNI, AVX-512 without it (maddubs: 63 * 127 * 2 fits int16) and AVX2 (the top bits
-    spread from 32-bit halves, two 8-lane halves; Q4_K's scales and mins unpacked in two
-    8-lane halves) sum the same exact integers in the same order."""
+    """VNNI, AVX-512 without it (maddubs: 63 * 127 * 2 fits int16; IQ4's codes up to 241
+    split in nibbles as Q8_0's) and AVX2 (the top bits spread from 32-bit halves, two
+    8-lane halves; Q4_K's scales and mins, IQ4_XS's scales unpacked in two 8-lane halves)
+    sum the same exact integers in the same order."""
     flags = cpu_build.cpu_flags()
     runnable = [isa for isa, (_, need) in cpu_build.ISA_LEVELS.items() if set(need) <= flags]
     if len(runnable) < 2:
@@ -374,6 +376,23 @@ def test_native_int8_gives_the_same_bits_on_every_isa(fmt):
             outs.append(out)
         for isa, out in zip(runnable[1:], outs[1:], strict=True):
             assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"
+
+
+def test_stacked_tiled_iq4_parts_for_the_int8_kernel():
+    """The fused q|k|v of an IQ4_XS file in int8 mode: IQ4_XS q over IQ4_NL k and v (rows
+    that are not multiples of 256 fall back to IQ4_NL) beside a Q8_0 and a Q5_K part, each
+    tiled in its own layout, none requantized: each part's columns the same bits as alone."""
+    parts = [
+        QuantizedWeight.from_gguf(fmt, random_blocks(fmt, rows, 512, seed=rows), 512)
+        for fmt, rows in (("iq4_xs", 21), ("iq4_nl", 6), ("iq4_nl", 7), ("q5_k", 5))
+    ]
+    parts.append(QuantizedWeight.from_gguf("q8_0", _q8_0_blocks(3, 512), 512))
+    tiled = [p.for_int8().tiled() for p in parts]
+    assert [p.format.name for p in tiled] == ["iq4_xs", "iq4_nl", "iq4_nl", "q5_k", "q8_0"]
+    stacked = QuantizedWeight.stack(tiled)
+    assert stacked.shape == (42, 512) and stacked.nbytes == sum(p.nbytes for p in tiled)
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    _assert_stack_computes_as_its_parts(stacked, tiled)
 
 
 def _assert_stack_computes_as_its_parts(stacked: QuantizedWeight, tiled: list) -> None:

@@ -38,6 +38,21 @@
 // then d * dx_b, rounds as often but costs a vpmulld per input row and block: 6% slower at
 // 16 rows, measured alternately.)
 //
+// IQ4_NL (w = d * v[q], q a 4-bit index into llama.cpp's table v of 16 int8 values): Q4_0's
+// layout (the nibbles, then [nb][16] fp16 d), 18 bytes per 32 weights as in the file.
+// IQ4_XS (w = d * (ls_b - 32) * v[q], ls_b 6 bits per block of 32, d per super-block of
+// 256): the nibbles as Q4_0's 4 vectors; then per super-block 128 bytes: [4][16] bytes of
+// the file's scales_l (byte c * 16 + i: the low 4 bits of ls_2c | ls_2c+1 << 4 of row i),
+// [2][16] bytes of its scales_h (byte h * 16 + i: bits 2j, 2j + 1 = the top bits of
+// ls_4h+j), [16] fp16 d: the file's 136 bytes per 256 weights and row.
+// Both are read as the unsigned codes u = v[q] + 128 (1..241; one byte shuffle per vector
+// of nibbles), so S = sum(u * xq) is Q8_0's dot product; the 128 is taken off in int32
+// (the sum starts at -128 * sum(xq), computed with the activations' codes), so it ends at
+// T = S - 128 * sum(xq) = sum(v * xq) exactly, and acc = fma(T, scale_b * dx_b, acc), one
+// float operation per block (scale_b: d, or IQ4_XS's d * (ls_b - 32), exact in fp32: an
+// fp16 times 6 bits). Q8_0's two (S * d * dx, then the min -128 d * dx * sum(xq)) would
+// round two terms that mostly cancel (S is near 128 * sum(xq)) where T is rounded once.
+//
 // Q6_K (w = d * sc_h * (q - 32), q in 0..63, one sc per half-block of 16): the integer
 // sum of each half apart, T = sc_0 * (S_0 - 32 X_0) + sc_1 * (S_1 - 32 X_1) exact in int32
 // (X_h: the half's sum of activation codes), then acc = fma(T, d * dx_b, acc): one float
@@ -84,22 +99,25 @@ struct QuantizedRows {
   std::vector<float> dx;     // [n][nb]
   std::vector<float> dxs;    // [n][nb]
   std::vector<int32_t> x16;  // [n][nb][2]: the codes' sum over each half of 16 (Q6_K)
+  std::vector<int32_t> xm;   // [n][nb]: -128 * the codes' sum (IQ4's sums start there)
 };
 
 // Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6
-// Q5_K, 7 Q6_K), codes and scales;
-// a tile is 16 of them.
+// Q5_K, 7 Q6_K, 9 IQ4_NL, 10 IQ4_XS), codes and scales; a tile is 16 of them.
 inline int64_t row_bytes_of(int64_t format, int64_t nb) {
   if (format == 7) return nb / 8 * 210;  // Q6_K: super-blocks of 256
   if (format == 5) return nb / 8 * 144;  // Q4_K
   if (format == 6) return nb / 8 * 176;  // Q5_K
+  if (format == 10) return nb / 8 * 136;  // IQ4_XS
+  if (format == 9) return nb * 18;        // IQ4_NL: Q4_0's
   return nb * (format == 4 ? 24 : format == 3 ? 22 : format == 2 ? 34 : format == 1 ? 20 : 18);
 }
 
 // One block of 32 activations: amax over |x|, codes nearbyint(x * 127 / amax) (round half
 // to even), their sums. The AVX-512 path computes the same bits as the scalar one: max is
 // exact in any order, each product is one rounding, cvtps rounds as nearbyint does.
-void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x16) {
+void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x16,
+                    int32_t* xm) {
 #ifdef __AVX512F__
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -124,6 +142,7 @@ void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x
   *dxs = *dx * static_cast<float>(halves[0] + halves[1]);
   x16[0] = halves[0];
   x16[1] = halves[1];
+  *xm = -128 * (halves[0] + halves[1]);
 }
 
 void quantize_rows(const float* x, int64_t n, int64_t k, QuantizedRows& out) {
@@ -132,10 +151,11 @@ void quantize_rows(const float* x, int64_t n, int64_t k, QuantizedRows& out) {
   out.dx.resize(n * nb);
   out.dxs.resize(n * nb);
   out.x16.resize(n * nb * 2);
+  out.xm.resize(n * nb);
 #pragma omp parallel for schedule(static) if (n >= 16)
   for (int64_t i = 0; i < n * nb; ++i)
     quantize_block(x + i * 32, out.q.data() + i * 32, out.dx.data() + i, out.dxs.data() + i,
-                   out.x16.data() + 2 * i);
+                   out.x16.data() + 2 * i, out.xm.data() + i);
 }
 
 // 16 int32 lanes: one zmm with AVX-512, two ymm with AVX2.
@@ -164,6 +184,23 @@ inline I16 top2(I16 h, int j) {
   return {_mm512_and_si512(v, _mm512_set1_epi8(0x30))};
 }
 inline I16 or16(I16 a, I16 b) { return {_mm512_or_si512(a.v, b.v)}; }
+// Byte j of each 128-bit lane of `table`, for each byte j (0..15) of a (IQ4's values).
+inline I16 lookup16(I16 a, __m128i table) {
+  return {_mm512_shuffle_epi8(_mm512_broadcast_i32x4(table), a.v)};
+}
+inline I16 splat16(int32_t c) { return {_mm512_set1_epi32(c)}; }
+// IQ4_XS's top bits of ls for 4 blocks x 16 rows (`h`: the tile's [2][16] scales_h bytes):
+// 128-bit lane c holds bits s, s + 1 of byte c / 2 of each row's scales_h, at bits 4, 5,
+// s = 4 (c % 2) + `odd` (blocks 2c + odd).
+inline I16 iq4xs_tops(const uint8_t* h, int odd) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+  const __m512i two = _mm512_castsi256_si512(bytes);
+  const __m512i lanes = _mm512_shuffle_i64x2(two, two, _MM_SHUFFLE(1, 1, 0, 0));
+  const __m512i shift = _mm512_add_epi32(
+      _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4), _mm512_set1_epi32(odd));
+  const __m512i v = _mm512_slli_epi32(_mm512_srlv_epi32(lanes, shift), 4);
+  return {_mm512_and_si512(v, _mm512_set1_epi8(0x30))};
+}
 // 16 uint8 at p, one per int32 lane.
 inline I16 ubytes16(const uint8_t* p) {
   return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
@@ -239,6 +276,23 @@ inline __m256i top2_half(__m256i h, int j) {
 }
 inline I16 top2(I16 h, int j) { return {top2_half(h.lo, j), top2_half(h.hi, j)}; }
 inline I16 or16(I16 a, I16 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+inline I16 lookup16(I16 a, __m128i table) {
+  const __m256i t = _mm256_broadcastsi128_si256(table);
+  return {_mm256_shuffle_epi8(t, a.lo), _mm256_shuffle_epi8(t, a.hi)};
+}
+inline I16 splat16(int32_t c) { return {_mm256_set1_epi32(c), _mm256_set1_epi32(c)}; }
+// As the AVX-512 one: lo holds blocks of lanes c = 0, 1 (byte 0 of scales_h), hi c = 2, 3.
+inline __m256i iq4xs_tops_half(const uint8_t* h, int odd) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+  const __m256i lanes = _mm256_broadcastsi128_si256(bytes);
+  const __m256i shift =
+      _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), _mm256_set1_epi32(odd));
+  const __m256i v = _mm256_slli_epi32(_mm256_srlv_epi32(lanes, shift), 4);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x30));
+}
+inline I16 iq4xs_tops(const uint8_t* h, int odd) {
+  return {iq4xs_tops_half(h, odd), iq4xs_tops_half(h + 16, odd)};
+}
 inline I16 ubytes16(const uint8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
@@ -347,6 +401,34 @@ struct Q6K {  // Q6_K: Q4_0's nibble vectors, then 2 vectors of the top 2 bits
   }
 };
 
+// llama.cpp's kvalues_iq4nl + 128: IQ4_NL / IQ4_XS's values as unsigned codes.
+alignas(16) constexpr uint8_t kIQ4Codes[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                               129, 141, 153, 166, 181, 197, 217, 241};
+constexpr int kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                1,    13,   25,  38,  53,  69,  89,  113};
+
+struct IQ4 {  // IQ4_NL, IQ4_XS: Q4_0's nibble vectors, each index mapped to v + 128
+  static constexpr int64_t kBlockBytes = 16;
+  static constexpr bool kWide = true;  // codes up to 241: maddubs splits them as Q8_0's
+  static inline void unpack(const uint8_t* p, I16 (&u)[8]) {
+    Q4::unpack(p, u);
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Codes));
+    for (int t = 0; t < 8; ++t) u[t] = lookup16(u[t], table);
+  }
+};
+struct IQ4XS : IQ4 {};  // IQ4_XS: IQ4_NL's codes; per super-block 6-bit block scales, d
+template <class C>
+constexpr bool kIQ4 = std::is_same_v<C, IQ4> || std::is_same_v<C, IQ4XS>;
+
+// The 6-bit ls of one super-block of an IQ4_XS tile (`s`: its [4][16] scales_l bytes, then
+// [2][16] scales_h), as bytes [2][4][16]: even blocks 0, 2, 4, 6, then odd ones 1, 3, 5, 7
+// (block b at (b % 2) * 64 + (b / 2) * 16), byte-wise on 64 bytes, once per super-block.
+inline void unpack_iq4xs_scales(const uint8_t* s, uint8_t* ls) {
+  const I16 low = load64(s);
+  store64(ls, or16(low_nibbles(low), iq4xs_tops(s + 64, 0)));
+  store64(ls + 64, or16(high_nibbles(low), iq4xs_tops(s + 64, 2)));
+}
+
 struct Q8 {  // Q8_0: signed bytes, 8 vectors per block, read as q + 128
   static constexpr int64_t kBlockBytes = 32;
   static constexpr bool kWide = true;
@@ -369,7 +451,7 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
   const int64_t share = row_bytes_of(format, nb) * kTile / nb;  // bytes of the tile per block
   v16f acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = splat(0.0f);
-  alignas(64) uint8_t scales[2][128];  // Q4_K / Q5_K: a super-block's scales and mins
+  alignas(64) uint8_t scales[2][128];  // a super-block's scales and mins (IQ4_XS: its ls)
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* codes = tile + b * kTile * C::kBlockBytes;
     if (prefetch) {  // the tile's bytes (codes and scales) swept evenly, one block's share
@@ -396,6 +478,28 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
         const int64_t at = (j0 + j) * nb + b;
         acc[j] = fma16(to_float(s[j]), dsc * xr.dx[at], acc[j]);
         acc[j] = fma16(mneg, splat(xr.dxs[at]), acc[j]);
+      }
+      continue;
+    }
+    if constexpr (kIQ4<C>) {
+      // Each sum starts at -128 * sum(xq): it ends at sum(v * xq), exact in int32.
+      I16 s[NR];
+      for (int j = 0; j < NR; ++j) s[j] = splat16(xr.xm[(j0 + j) * nb + b]);
+      for (int t = 0; t < 8; ++t)
+        for (int j = 0; j < NR; ++j)
+          s[j] = dot4(s[j], u[t], load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t), true);
+      v16f scale;
+      if constexpr (std::is_same_v<C, IQ4XS>) {
+        const uint8_t* sb = dh + 128 * (b / 8);  // scales_l, scales_h, d
+        if (b % 8 == 0) unpack_iq4xs_scales(sb, scales[0]);
+        const I16 ls = ubytes16(scales[0] + 64 * (b % 2) + 16 * (b % 8 / 2));
+        scale = (to_float(ls) - 32.0f) * halves16(sb + 96);  // exact: fp16 times 6 bits
+      } else {
+        scale = halves16(dh + 32 * b);
+      }
+      for (int j = 0; j < NR; ++j) {
+        const int64_t at = (j0 + j) * nb + b;
+        acc[j] = fma16(to_float(s[j]), scale * xr.dx[at], acc[j]);
       }
       continue;
     }
@@ -549,6 +653,28 @@ void dequantize_tiled_qk(int64_t format, const uint8_t* w, int64_t k, const int6
   });
 }
 
+void dequantize_tiled_iq4(int64_t format, const uint8_t* w, int64_t k, const int64_t* rows,
+                          int64_t count, float* out) {
+  for_each_tiled_row(format, w, k, rows, count, out,
+                     [format](const uint8_t* tile, int64_t i, int64_t nb, float* o) {
+    const uint8_t* dh = tile + nb * kTile * IQ4::kBlockBytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      float scale;  // as gguf computes it: d, or d * (ls - 32) (exact in fp32)
+      if (format == 10) {
+        const uint8_t* sb = dh + 128 * (b / 8);
+        const int j = static_cast<int>(b % 8);
+        const int ls = ((sb[16 * (j / 2) + i] >> (4 * (j % 2))) & 15) |
+                       ((sb[64 + 16 * (j / 4) + i] >> (2 * (j % 4))) & 3) << 4;
+        scale = half_to_float(sb + 96 + 2 * i) * static_cast<float>(ls - 32);
+      } else {
+        scale = half_to_float(dh + 2 * (b * kTile + i));
+      }
+      for (int j = 0; j < 32; ++j)  // indices as Q4_0's codes
+        o[b * 32 + j] = scale * static_cast<float>(kIQ4Values[code_at<Q4>(tile, i, b, j)]);
+    }
+  });
+}
+
 template <class C>
 void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t* rows,
                       int64_t count, float* out) {
@@ -580,14 +706,17 @@ void linear_of(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, co
   if (format == 7) return linear<Q6K>(format, xr, n, k, w, m, out, ldo, bias, rb);
   if (format == 5) return linear<Q4K>(format, xr, n, k, w, m, out, ldo, bias, rb);
   if (format == 6) return linear<Q5K>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  if (format == 9) return linear<IQ4>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  if (format == 10) return linear<IQ4XS>(format, xr, n, k, w, m, out, ldo, bias, rb);
   linear<Q4>(format, xr, n, k, w, m, out, ldo, bias, rb);
 }
 
 }  // namespace
 
 // out[n, m] = q8(x[n, k]) @ W[m, k]^T (+ bias[m]); W in the tiled layout of `format`
-// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6 Q5_K, 7 Q6_K; ceil(m / 16) tiles), or (8) a
-// table of tiled parts; k % 32 == 0 (K-quants: k % 256 == 0).
+// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6 Q5_K, 7 Q6_K, 9 IQ4_NL, 10 IQ4_XS;
+// ceil(m / 16) tiles), or (8) a table of tiled parts; k % 32 == 0 (K-quants and IQ4_XS:
+// k % 256 == 0).
 HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k,
                                     const uint8_t* w, int64_t m, float* out, const float* bias) {
   QuantizedRows xr;
@@ -607,5 +736,6 @@ HR_EXPORT void hr_dequantize_tiled(int64_t format, const uint8_t* w, int64_t k,
   if (format == 7) return dequantize_tiled_q6k(w, k, rows, count, out);
   if (format == 5) return dequantize_tiled_qk<Q4K>(format, w, k, rows, count, out);
   if (format == 6) return dequantize_tiled_qk<Q5K>(format, w, k, rows, count, out);
+  if (format == 9 || format == 10) return dequantize_tiled_iq4(format, w, k, rows, count, out);
   dequantize_tiled<Q4>(format, w, k, rows, count, out);
 }
