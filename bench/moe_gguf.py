@@ -210,8 +210,10 @@ def describe(path: Path, shape: Shape, kind: str) -> dict[str, Any]:
     }
 
 
-# The dry run's cpu_compare settings: every part and the agreement check, a few tokens.
-DRY_ARGS = ["--reps", "1", "--new-tokens", "4", "--decode-prompt-len", "8",
+# The dry run's cpu_compare settings: every part and the agreement check, a few tokens
+# (24 decoded: with 4, the tiny model's stream could arrive all at once, leaving no time
+# between the first and last token to rate).
+DRY_ARGS = ["--reps", "1", "--new-tokens", "24", "--decode-prompt-len", "8",
             "--ttft-prompt-len", "16", "--num-requests", "3", "--output-mean", "2",
             "--output-cap", "4", "--idle-wait", "0", "--agree-prompts", "2"]  # fmt: skip
 
