@@ -65,6 +65,25 @@ static inline void halves_to_float(const uint8_t* src, int64_t n, float* dst) {
   }
 }
 
+// The same, and each value times `factor` into scaled (from registers: reading back the
+// values just stored would stall on store forwarding).
+static inline void halves_to_float(const uint8_t* src, int64_t n, float* dst, float* scaled,
+                                   float factor) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i)));
+    _mm256_storeu_ps(dst + i, v);
+    _mm256_storeu_ps(scaled + i, _mm256_mul_ps(v, _mm256_set1_ps(factor)));
+  }
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, 2);
+    dst[i] = _cvtsh_ss(h);
+    scaled[i] = dst[i] * factor;
+  }
+}
+
 static inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
