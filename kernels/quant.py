@@ -205,13 +205,15 @@ class QuantizedWeight:
         """The same weight in the int8 kernel's layout: rows in tiles of 16 (the last one
         zero-padded), each tile's codes block by block with 4 codes of each row per 4-byte
         lane (Q5_0: their low nibbles, then the plane of 5th bits), then its scales block
-        by block (spelled out in quant_linear_int8.cpp)."""
+        by block (spelled out in quant_linear_int8.cpp). A stack of per-row parts becomes the
+        stack of its parts tiled, each in its own format."""
         if self.tiled_layout:
             return self
+        if self.parts:  # a stack of per-row parts: each part tiled in its own format
+            return QuantizedWeight.stack([p.tiled() for p in self.parts])
         if self.format.file_order and self.format.name not in INT8_FILE_ORDER:
-            names = sorted({p.format.name for p in self.parts}) or [self.format.name]
             raise ValueError(
-                f"{'+'.join(names)}: no int8 kernel for this format yet"
+                f"{self.format.name}: no int8 kernel for this format yet"
                 " (run these weights with --weights quantized)"
             )
         f, nb, rows = self.format, self.cols // BLOCK, self.rows

@@ -169,8 +169,11 @@ def test_stacked_weights_of_different_formats():
         x = torch.randn(n, 512)
         alone = torch.cat([cpu.quant_linear(x, p) for p in parts], dim=1) + bias
         assert torch.equal(cpu.quant_linear(x, stacked, bias), alone)
-    with pytest.raises(ValueError, match="q4_k\\+q6_k\\+q8_0: no int8 kernel"):
-        stacked.tiled()
+    # tiled() tiles part by part: the same stack as tiling the parts, then stacking them.
+    tiled = stacked.tiled()
+    assert [p.format.name for p in tiled.parts] == ["q4_k", "q4_k", "q6_k", "q8_0"]
+    assert torch.equal(tiled.dequantize(), stacked.dequantize())
+    _assert_stack_computes_as_its_parts(tiled, [p.tiled() for p in parts])
 
 
 def test_stacked_tiled_weights_for_the_int8_kernel():
@@ -393,6 +396,11 @@ def test_stacked_tiled_iq4_parts_for_the_int8_kernel():
     assert stacked.shape == (42, 512) and stacked.nbytes == sum(p.nbytes for p in tiled)
     assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
     _assert_stack_computes_as_its_parts(stacked, tiled)
+    # A stack of per-row parts tiles part by part, into the same stack.
+    per_row = QuantizedWeight.stack([p.for_int8() for p in parts]).tiled()
+    assert [p.format.name for p in per_row.parts] == [p.format.name for p in tiled]
+    assert torch.equal(per_row.dequantize(), stacked.dequantize())
+    _assert_stack_computes_as_its_parts(per_row, tiled)
 
 
 def _assert_stack_computes_as_its_parts(stacked: QuantizedWeight, tiled: list) -> None:
