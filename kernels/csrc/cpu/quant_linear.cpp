@@ -161,10 +161,10 @@ struct Q5 {
     const __m512 t0 = table16(d, m);
     const __m512i q_lo = widen_bytes(block + kHeader + 4), q_hi = _mm512_srli_epi32(q_lo, 4);
     if (kHeader == 2) {
-      const __m512 sixteen = _mm512_set1_ps(16.0f * d);
+      const __m512 minus16d = _mm512_set1_ps(m);  // m = -16d: w - m adds 16d
       const __m512 w_lo = _mm512_permutexvar_ps(q_lo, t0), w_hi = _mm512_permutexvar_ps(q_hi, t0);
-      lo = (v16f)_mm512_mask_add_ps(w_lo, k_lo, w_lo, sixteen);
-      hi = (v16f)_mm512_mask_add_ps(w_hi, k_hi, w_hi, sixteen);
+      lo = (v16f)_mm512_mask_sub_ps(w_lo, k_lo, w_lo, minus16d);
+      hi = (v16f)_mm512_mask_sub_ps(w_hi, k_hi, w_hi, minus16d);
     } else {
       const __m512 t1 = table16(d, m, 16.0f);
       const __m512i sixteen = _mm512_set1_epi32(16);
