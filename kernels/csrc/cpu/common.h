@@ -84,6 +84,10 @@ static inline void halves_to_float(const uint8_t* src, int64_t n, float* dst, fl
   }
 }
 
+// llama.cpp's kvalues_iq4nl: the 16 values an IQ4_NL / IQ4_XS index picks.
+alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
+
 static inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);

@@ -314,16 +314,14 @@ struct Q6_K {
 // Every product is exact in fp32 (fp16 x 6-bit x 7-bit integers < 2^24), so the weights
 // are gguf's bit for bit.
 static inline __m128i iq4_values(__m128i idx) {
-  const __m128i table = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
-                                      53, 69, 89, 113);
-  return _mm_shuffle_epi8(table, idx);
+  return _mm_shuffle_epi8(load128(reinterpret_cast<const uint8_t*>(kIQ4Values)), idx);
 }
 
 static inline void iq4_expand(const uint8_t* qs, float d, v16f& lo, v16f& hi) {
 #ifdef __AVX512F__
-  const __m512 table = _mm512_mul_ps(
-      _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
-      _mm512_set1_ps(d));
+  const __m512 values = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(load128(reinterpret_cast<const uint8_t*>(kIQ4Values))));
+  const __m512 table = _mm512_mul_ps(values, _mm512_set1_ps(d));
   const __m512i q = widen_bytes(qs);
   lo = (v16f)_mm512_permutexvar_ps(q, table);
   hi = (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);

@@ -404,8 +404,6 @@ struct Q6K {  // Q6_K: Q4_0's nibble vectors, then 2 vectors of the top 2 bits
 // llama.cpp's kvalues_iq4nl + 128: IQ4_NL / IQ4_XS's values as unsigned codes.
 alignas(16) constexpr uint8_t kIQ4Codes[16] = {1,   24,  45,  63,  79,  93,  106, 118,
                                                129, 141, 153, 166, 181, 197, 217, 241};
-constexpr int kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                1,    13,   25,  38,  53,  69,  89,  113};
 
 struct IQ4 {  // IQ4_NL, IQ4_XS: Q4_0's nibble vectors, each index mapped to v + 128
   static constexpr int64_t kBlockBytes = 16;
