@@ -138,7 +138,7 @@ class Engine:
         model = LlamaModel(cfg, loaded.weights, native=native, int8=weights == "quantized-int8")
         # What took effect: a source without GGUF blocks (HF, dummy) loads dense anyway.
         self.weights = weights if model.quantized else "dense"
-        self.kv_dtype = kv_cache_dtype(config.cache, device, dtype, self.weights)
+        self.kv_dtype = kv_cache_dtype(config.cache, device, dtype, self.weights, cfg.head_dim)
         log.info(
             "model ready", cpu_kernels=native, weights=self.weights,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),

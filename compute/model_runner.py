@@ -47,22 +47,32 @@ BAD_TOKEN_MESSAGE = "the sampler produced an invalid token id for this request"
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values (int8: with its scales)."""
+    """Bytes one block takes across all layers, keys and values."""
     elem = torch.empty((), dtype=dtype).element_size()
     width = kv_row_width(cfg.head_dim, dtype)
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * width * elem
 
 
 def kv_cache_dtype(
-    cache: CacheConfig, device: torch.device, dtype: torch.dtype, weights: str
+    cache: CacheConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    weights: str,
+    head_dim: int | None = None,
 ) -> torch.dtype:
     """The KV cache's element type: --kv-cache-dtype, or for "auto" the model dtype (fp32 on
     the CPU: the exact weight modes stay exact), float16 with quantized-int8 weights.
     ValueError naming the setting when the CUDA kernels cannot read it (they read caches
-    of the model dtype only)."""
+    of the model dtype only), or when int8 rows cannot carry their scale (``head_dim``, when
+    given, not a multiple of 16)."""
     name = cache.kv_cache_dtype
     if name == "auto":
         return torch.float16 if weights == "quantized-int8" else dtype
+    if name == "int8" and head_dim is not None and head_dim % 16:
+        raise ValueError(
+            f"kv_cache_dtype: an int8 KV cache needs a head_dim that is a multiple of 16 "
+            f"(each row carries its scale in 16 of its codes); this model's is {head_dim}"
+        )
     wanted = getattr(torch, name)
     if device.type == "cuda" and wanted != dtype:
         model = str(dtype).removeprefix("torch.")
@@ -190,7 +200,7 @@ class ModelRunner:
 
     def _allocate_cache(self, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model.config
-        width = kv_row_width(cfg.head_dim, self.kv_dtype)  # int8 rows carry their scale
+        width = kv_row_width(cfg.head_dim, self.kv_dtype)
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, width)
         pin = str(device) == "cpu" and self.device.type == "cuda"
         return [

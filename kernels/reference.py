@@ -14,9 +14,10 @@ sequence, where the attention itself is large enough to amortise the loop.
 K/V are gathered with ``index_select`` (several times faster on CPU than
 advanced indexing) and everything is computed in fp32 whatever the cache dtype.
 
-Cache dtypes: any float dtype holds K/V rounded to it (``.to``); an int8 cache's last dim
-is ``head_dim + 4``: per token and head, the row's int8 codes then its fp32 scale
-(``quantize_kv_rows``, the layout kernels/csrc/cpu/common.h kv_narrow writes).
+Cache dtypes: any float dtype holds K/V rounded to it (``.to``); an int8 cache holds
+``head_dim`` codes per token and head and nothing else: the row's bf16 scale rides in the
+parities of 16 groups of its codes (``quantize_kv_rows``, the layout kernels/csrc/cpu/common.h
+kv_narrow writes).
 Loop control reads only the metadata's host lists, so nothing syncs on a device.
 """
 
@@ -28,36 +29,73 @@ from torch import Tensor
 
 from kernels.metadata import AttentionMetadata
 
-KV_INT8_SCALE_BYTES = 4  # an int8 cache row: head_dim codes, then the fp32 scale
-
 
 def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
-    """The cache's last dim for rows of ``head_dim`` values of ``dtype``."""
-    return head_dim + KV_INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+    """The cache's last dim for rows of ``head_dim`` values of ``dtype`` (every dtype: the
+    head dim; an int8 row carries its scale inside its codes)."""
+    del dtype
+    return head_dim
 
 
 def kv_head_dim(cache: Tensor) -> int:
     """The head dim of the rows a cache [N, B, Hkv, width] holds."""
-    width = cache.shape[-1]
-    return width - KV_INT8_SCALE_BYTES if cache.dtype == torch.int8 else width
+    return cache.shape[-1]
+
+
+def _groups(dim: int) -> int:
+    """Codes per group of an int8 row of ``dim`` values (16 groups, one scale bit each)."""
+    if dim % 16:
+        raise ValueError(f"kv_cache_dtype int8: head_dim must be a multiple of 16, got {dim}")
+    return dim // 16
 
 
 def quantize_kv_rows(x: Tensor) -> Tensor:
-    """fp32 rows [..., D] -> int8 rows [..., D + 4]: per row d = max|x| / 127 and codes
-    round(x * (127 / max|x|)) (ties to even), then d's four bytes."""
+    """fp32 rows [..., D] -> int8 rows [..., D] (D a multiple of 16), the scale inside.
+
+    Per row: d = max|x| / 127 rounded up to a bf16, y = x * (1 / d), codes round(y) (ties to
+    even) within +-127. Bit j of d's bf16 is the parity of group j's sum (codes j g .. j g +
+    g - 1, g = D / 16): where it is wrong, the group's cheapest code moves one step, toward
+    y (cost 1 - |y - code|) unless that leaves +-127 (then away, cost 1 + |y - code|), the
+    first of equal costs.
+    """
     x = x.to(torch.float32)
+    g = _groups(x.shape[-1])
     amax = x.abs().amax(dim=-1, keepdim=True)
     # True divisions (a scalar over a tensor becomes a reciprocal times it in torch).
-    d = amax / torch.full_like(amax, 127.0)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    codes = torch.round(x * inv).clamp(-127, 127).to(torch.int8)
-    return torch.cat([codes, d.contiguous().view(torch.int8)], dim=-1)
+    d32 = amax / torch.full_like(amax, 127.0)
+    bits = d32.contiguous().view(torch.int32)
+    bits = torch.where(bits & 0xFFFF != 0, bits + 0x10000, bits) & -0x10000  # round up
+    d = bits.view(torch.float32)
+    inv = torch.where(d > 0, torch.full_like(d, 1.0) / d, torch.zeros_like(d))
+    y = x * inv
+    r = torch.round(y).clamp(-127, 127)
+    codes = r.to(torch.int32).clamp(-127, 127)
+    a = (y - r).abs()
+    step = torch.where(y >= r, 1, -1).to(torch.int32)
+    out = (codes + step).abs() > 127
+    step = torch.where(out, -step, step)
+    cost = torch.where(out, 1 + a, 1 - a)
+    grouped = (*x.shape[:-1], 16, g)
+    codes, step, cost = codes.view(grouped), step.view(grouped), cost.view(grouped)
+    want = (bits >> torch.arange(16, 32, dtype=torch.int32, device=x.device)) & 1  # [..., 16]
+    wrong = (codes & 1).sum(dim=-1) & 1 != want
+    pick = cost.argmin(dim=-1, keepdim=True)  # the first of the cheapest
+    move = torch.where(wrong.unsqueeze(-1), step.gather(-1, pick), 0)
+    codes = codes.scatter_add(-1, pick, move)
+    return codes.view(x.shape).to(torch.int8)
+
+
+def kv_row_scales(rows: Tensor) -> Tensor:
+    """int8 rows [..., D] -> their scales d [..., 1] (fp32)."""
+    g = _groups(rows.shape[-1])
+    parity = (rows.view(*rows.shape[:-1], 16, g).to(torch.int32) & 1).sum(dim=-1) & 1
+    shifts = torch.arange(16, 32, dtype=torch.int32, device=rows.device)
+    return (parity << shifts).sum(dim=-1, keepdim=True, dtype=torch.int32).view(torch.float32)
 
 
 def dequantize_kv_rows(rows: Tensor) -> Tensor:
-    """int8 rows [..., D + 4] -> fp32 [..., D]: codes * d."""
-    codes, scale = rows[..., :-KV_INT8_SCALE_BYTES], rows[..., -KV_INT8_SCALE_BYTES:]
-    return codes.to(torch.float32) * scale.contiguous().view(torch.float32)
+    """int8 rows [..., D] -> fp32 [..., D]: codes * d (exact in fp32)."""
+    return rows.to(torch.float32) * kv_row_scales(rows)
 
 
 def to_cache(x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -204,7 +204,8 @@ CPU_KV_TOKENS_PER_SEQ = 256
 GPU_KV_MEMORY_GIB = 2.0
 # What the KV cache may hold (--kv-cache-dtype): "auto" = the model dtype (fp32 on the CPU:
 # the exact paths stay exact), float16 with --weights quantized-int8 (llama.cpp's numerics);
-# int8 = per token and head int8 codes and an fp32 scale (CPU only).
+# int8 = per token and head int8 codes that carry their own bf16 scale, head_dim bytes a row
+# (CPU only; head_dim a multiple of 16).
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 

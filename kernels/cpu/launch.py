@@ -53,7 +53,8 @@ _SIGNATURES = {
 }
 # The KV cache dtypes the kernels read and write (kernels/csrc/cpu/common.h KvDtype): K and
 # V are rounded to the cache dtype once, when written, and widened to fp32 when read. An
-# int8 cache row is head_dim codes and an fp32 scale (kernels/reference.py kv_row_width).
+# int8 cache row is head_dim codes carrying their own bf16 scale (kernels/reference.py
+# quantize_kv_rows).
 KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 # Fields per layer of decoder_table (kernels/csrc/cpu/decoder.cpp kLayerFields).
 _LAYER_FIELDS = 36

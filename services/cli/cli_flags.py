@@ -147,9 +147,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kv-cache-dtype", "cache.kv_cache_dtype",
          "KV cache element type: K/V rounded to it once when written, read back as fp32 "
          "(float16/bfloat16 halve the bytes a long-context decode step reads and double the "
-         "sequences per GiB; int8, per token and head scaled, 3.8x; README: numerics "
-         "table); auto = the model dtype (fp32 on the CPU, exact), float16 with --weights "
-         "quantized-int8; on CUDA only the model dtype",
+         "sequences per GiB; int8, per token and head scaled, 4x, head_dim a multiple of 16; "
+         "docs/architecture.md: numerics table); auto = the model dtype (fp32 on the CPU, "
+         "exact), float16 with --weights quantized-int8; on CUDA only the model dtype",
          choices=KV_CACHE_DTYPES),
     Flag("--prefix-caching", "cache.enable_prefix_caching", "share KV of common prefixes", _bool),
     Flag("--swap-space-gib", "cache.swap_space_gib", "host memory for swapped KV blocks", float),

@@ -261,7 +261,7 @@ inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* tabl
       ch.v[i] = v;
       if (ch.k_codes) {
         ch.kq[i] = reinterpret_cast<const int8_t*>(kc + offset);
-        std::memcpy(&ch.ks[i], kc + offset + s.dim, 4);
+        ch.ks[i] = kv_i8_scale(ch.kq[i], s.dim);
       } else {
         float* k = sc.kw.data() + i * s.dim;
         kv_widen(kc + offset, s.kv_dtype, s.dim, k);

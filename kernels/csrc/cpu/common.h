@@ -212,27 +212,68 @@ static inline void for_each_part(const uint8_t* w, Run run) {
 // KV cache element types (kernels/cpu.py KV_DTYPE_CODES): the cache holds K and V rounded
 // once to this type when written; every read widens them back to fp32 (exactly), so the
 // attention arithmetic after the read is the same whatever the type.
-// int8: one row (a token's head, D values) is D int8 codes then its fp32 scale d (4 bytes,
-// D + 4 in all): value = code * d, d = max|x| / 127, code = round(x * (127 / max|x|)) --
-// per token and head, so a token's codes depend on nothing but its own K/V row (written
-// alone or in any chunk, the same bytes).
+// int8: one row (a token's head, D values, D a multiple of 16) is D int8 codes and nothing
+// else: value = code * d. The row's scale d is a bf16, the smallest one >= max|x| / 127,
+// and its 16 bits ride in the parities of the codes: bit j is the parity of the sum of
+// codes j g .. j g + g - 1 (g = D / 16). Each code is round(x / d) (ties to even); where a
+// group's parity is wrong, the one code of the group that costs least moves a step (toward
+// x / d, so the least cost is the code nearest a tie). A row takes exactly D bytes (4x fewer
+// than fp32), and a token's codes depend on nothing but its own K/V row (written alone or in
+// any chunk, the same bytes). code * d is exact in fp32 (8-bit by 8-bit significands).
+// kernels/reference.py quantize_kv_rows writes the same bytes.
 enum KvDtype : int64_t { kKvF32 = 0, kKvF16 = 1, kKvBf16 = 2, kKvI8 = 3 };
 
 // Bytes of one cache row of `dim` values.
 static inline int64_t kv_row_bytes(int64_t kv_dtype, int64_t dim) {
   switch (kv_dtype) {
     case kKvF32: return 4 * dim;
-    case kKvI8: return dim + 4;
+    case kKvI8: return dim;
     default: return 2 * dim;
   }
+}
+
+// The scale d of an int8 cache row of n codes (the layout above).
+static inline float kv_i8_scale(const int8_t* codes, int64_t n) {
+  const int64_t g = n / 16;
+  uint32_t bits = 0;
+#ifdef __AVX512BW__
+  if (n == 64) {  // a group per 32-bit lane: the parity of its 4 bytes' sum
+    const __m512i v = _mm512_loadu_si512(codes);
+#ifdef __AVX512VNNI__
+    const __m512i x = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_set1_epi8(1));
+#else
+    __m512i x = _mm512_xor_si512(v, _mm512_srli_epi32(v, 8));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+#endif
+    bits = _mm512_test_epi32_mask(x, _mm512_set1_epi32(1));
+  } else if (n == 128) {  // a group per 64-bit lane: the sum of its 8 low bits
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v =
+          _mm512_and_si512(_mm512_loadu_si512(codes + 64 * h), _mm512_set1_epi8(1));
+      const __m512i sums = _mm512_sad_epu8(v, _mm512_setzero_si512());
+      bits |= static_cast<uint32_t>(_mm512_test_epi64_mask(sums, _mm512_set1_epi64(1)))
+              << (8 * h);
+    }
+  } else
+#endif
+  {
+    for (int64_t j = 0; j < 16; ++j) {
+      uint32_t p = 0;
+      for (int64_t i = j * g; i < (j + 1) * g; ++i) p ^= static_cast<uint8_t>(codes[i]);
+      bits |= (p & 1u) << j;
+    }
+  }
+  bits <<= 16;
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
 }
 
 // One cache row of n values at src (of type kv_dtype) widened to floats at dst.
 static inline void kv_widen(const void* src, int64_t kv_dtype, int64_t n, float* dst) {
   if (kv_dtype == kKvI8) {
     const int8_t* codes = static_cast<const int8_t*>(src);
-    float d;
-    std::memcpy(&d, codes + n, 4);
+    const float d = kv_i8_scale(codes, n);
     int64_t i = 0;
 #ifdef __AVX512F__
     const __m512 dv = _mm512_set1_ps(d);  // 16 codes: one sign extension, one conversion
@@ -262,12 +303,42 @@ static inline void kv_narrow(const float* src, int64_t kv_dtype, int64_t n, void
     int8_t* codes = static_cast<int8_t*>(dst);
     float amax = 0.0f;
     for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(src[i]));
-    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float c = std::nearbyint(src[i] * inv);  // ties to even, as torch.round
-      codes[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, c)));
+    const float d32 = amax / 127.0f;
+    uint32_t dbits;  // rounded up to a bf16, so no |x| / d exceeds 127 by more than rounding
+    std::memcpy(&dbits, &d32, 4);
+    if (dbits & 0xffffu) dbits += 0x10000u;
+    dbits &= 0xffff0000u;
+    float d;
+    std::memcpy(&d, &dbits, 4);
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const int64_t g = n / 16;
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t i0 = j * g;
+      uint32_t parity = 0;
+      int64_t best = -1;
+      int32_t move = 1;
+      float best_cost = 0.0f;
+      for (int64_t i = i0; i < i0 + g; ++i) {
+        float y = src[i] * inv;
+        asm("" : "+x"(y));  // y rounded, as torch computes it (no fused y * inv - r below)
+        const float r = std::min(127.0f, std::max(-127.0f, std::nearbyint(y)));  // ties even
+        const int32_t c = static_cast<int32_t>(r);
+        codes[i] = static_cast<int8_t>(c);
+        parity ^= static_cast<uint32_t>(c) & 1u;
+        // A step toward y costs 1 - |y - r| (away, where toward leaves +-127: 1 + |y - r|).
+        const float a = std::fabs(y - r);
+        int32_t s = y >= r ? 1 : -1;
+        const bool out = std::abs(c + s) > 127;
+        if (out) s = -s;
+        const float cost = out ? 1.0f + a : 1.0f - a;
+        if (best < 0 || cost < best_cost) {  // the first of the cheapest
+          best = i;
+          best_cost = cost;
+          move = s;
+        }
+      }
+      if (parity != ((dbits >> (16 + j)) & 1u)) codes[best] = static_cast<int8_t>(codes[best] + move);
     }
-    std::memcpy(codes + n, &d, 4);
   } else if (kv_dtype == kKvF32) {
     std::memcpy(dst, src, n * sizeof(float));
   } else if (kv_dtype == kKvF16) {
