@@ -215,7 +215,7 @@ def _generate(args: argparse.Namespace) -> int:
     request = client.generate_request(None if chat else text, chat=chat, **options)
     n = args.n or 1
     if args.offline:
-        configs = build_configs(args)
+        configs = build_configs(args, OFFLINE_FLAGS)
         with client.OfflineClient(configs.engine, configs.pipeline) as offline:
             client.print_responses(offline.generate(request), args.stream, n)
     else:

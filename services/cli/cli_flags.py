@@ -226,12 +226,16 @@ class Configs:
     tracing: TracingConfig = TracingConfig()
 
 
-def build_configs(args: argparse.Namespace) -> Configs:
-    """The frozen configs from parsed flags (flags a subcommand lacks keep their defaults)."""
+def build_configs(args: argparse.Namespace, options: Iterable[str] | None = None) -> Configs:
+    """The frozen configs from parsed flags (flags a subcommand lacks keep their defaults).
+
+    ``options``: the only flags to read (``generate --offline`` reads OFFLINE_FLAGS: its
+    request flags share dests with engine flags, e.g. its per-request ``--seed``)."""
     classes = sections()
     values: dict[str, dict[str, Any]] = {name: {} for name in classes}
+    wanted = None if options is None else set(options)
     for flag in FLAGS:
-        if hasattr(args, flag.dest):
+        if (wanted is None or flag.option in wanted) and hasattr(args, flag.dest):
             section, field = flag.target.split(".")
             values[section][field] = getattr(args, flag.dest)
     nested = ("engine", "server")  # built below, around the sections they hold

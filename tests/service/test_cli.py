@@ -216,6 +216,27 @@ def test_generate_offline(capsys) -> None:
     assert "Paris" in capsys.readouterr().out
 
 
+def test_generate_offline_reads_only_its_engine_flags() -> None:
+    """generate's per-request --seed shares its dest with the engine's --seed: unset, it
+    must not become the engine's seed (None crashed every sampled step)."""
+    argv = ["generate", "--offline", "--prompt", "x", "--temperature", "0.8"]
+    args = cli.build_parser({}).parse_args(argv)
+    assert cli_flags.build_configs(args, cli_flags.OFFLINE_FLAGS).engine.seed == 0
+    args = cli.build_parser({}).parse_args([*argv, "--seed", "5", "--kv-cache-dtype", "int8"])
+    configs = cli_flags.build_configs(args, cli_flags.OFFLINE_FLAGS)
+    assert configs.engine.seed == 0 and configs.engine.cache.kv_cache_dtype == "int8"
+
+
+@pytest.mark.slow
+def test_generate_offline_samples_without_a_seed(capsys) -> None:
+    _needs_default_model()
+    argv = ["generate", "--offline", "--device", "cpu", "--threads", "2", "--num-blocks", "64"]
+    argv += ["--prompt", "The capital of France is", "--temperature", "0.8", "--n", "2"]
+    assert cli.main([*argv, "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "[sample 0]" in out and "[sample 1]" in out
+
+
 @pytest.mark.slow
 def test_serve_announces_then_drains_and_exits_0_on_sigterm(tmp_path: Path) -> None:
     _needs_default_model()
