@@ -177,7 +177,12 @@ class ModelRunner:
         self.kv_caches = self._allocate_cache(num_blocks, model.device)
         # Host blocks for swap preemption; pinned when the model is on a GPU.
         self.host_caches = self._allocate_cache(num_host_blocks, "cpu") if num_host_blocks else []
-        self.sampler = Sampler(model.config.vocab_size, seed, tuple(model.config.eos_token_ids))
+        self.sampler = Sampler(
+            model.config.vocab_size,
+            seed,
+            tuple(model.config.eos_token_ids),
+            native_argmax=model.native,
+        )
         self._faults: FaultInjector | None = None  # test-only (compute/fault_injection.py)
         # request id -> (device ids, row) of the tokens sampled by the current and the
         # previous step: where a PLACEHOLDER input's id is read from.

@@ -59,6 +59,7 @@ from compute.core.sequence import Sequence
 from compute.fault_injection import FaultInjector
 from compute.logit_processors import process_logits
 from compute.penalties import Penalties
+from kernels.cpu import launch as cpu_kernels
 from kernels.transfer import device_tensor
 
 # Below this the division overflows to inf (then NaN in softmax) for large logits;
@@ -69,7 +70,15 @@ _MIN_TEMPERATURE = 1e-5
 class Sampler:
     """Batched, device-side sampling with per-request generators for seeded requests."""
 
-    def __init__(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        seed: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+        native_argmax: bool = False,
+    ) -> None:
+        """``native_argmax``: greedy rows of CPU float32 logits take their argmax from the CPU
+        kernels (the same ids as torch's, rows on every thread; the model runs on them)."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size: must be >= 1 (got {vocab_size!r})")
         self.vocab_size = vocab_size
@@ -82,6 +91,7 @@ class Sampler:
         # Generator states before the last sample call's draws (see ``rewind``).
         self._states_before: list[tuple[torch.Generator, torch.Tensor]] = []
         self.faults: FaultInjector | None = None  # test-only (compute/fault_injection.py)
+        self.native_argmax = native_argmax
 
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence]
@@ -169,16 +179,28 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         greedy = [i for i, s in enumerate(seqs) if s.sampling_params.greedy]
         if len(greedy) == len(seqs):
-            return logits.argmax(dim=-1)
+            return self._argmax(logits)
         if not greedy:
             return self._draw(logits, seqs)
         randomized = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
         greedy_index = _index(greedy, logits.device)
         random_index = _index(randomized, logits.device)
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        tokens[greedy_index] = logits[greedy_index].argmax(dim=-1)
+        tokens[greedy_index] = self._argmax(logits[greedy_index])
         tokens[random_index] = self._draw(logits[random_index], [seqs[i] for i in randomized])
         return tokens
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax, the lowest of equal ids. torch's CPU argmax reduces a row on
+        one thread (1.9 ms for 48 rows of 49,152 logits); the kernel takes ~0.3 ms."""
+        if (
+            self.native_argmax
+            and logits.device.type == "cpu"
+            and logits.dtype == torch.float32
+            and logits.is_contiguous()
+        ):
+            return cpu_kernels.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One random token per row: temperature, truncation, then an inverse-CDF draw."""

@@ -39,6 +39,7 @@ _SIGNATURES = {
     "hr_paged_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _F),
     "hr_rope_and_cache": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I),
     "hr_set_num_threads": (_I,),
+    "hr_argmax_rows": (_P, _I, _I, _P),
     # tokens, h, inter, top_k, experts, sizes out
     "hr_moe_scratch_size": (_I, _I, _I, _I, _I, _P),
     # router, experts, x, tokens, h, top_k, normalize, probs scratch, ids, weights
@@ -240,6 +241,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, check: bool = True) -> Tenso
         _check("weight", weight, torch.float32, (h,))
     out = torch.empty_like(x)
     library().hr_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, h, eps)
+    return out
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """int64 [n]: each row's argmax of x [n, v] (float32), torch.argmax(x, -1)'s answer (the
+    lowest of equal ids; a NaN counts as the largest) on every thread."""
+    n, v = x.shape
+    _check("x", x, torch.float32, (n, v))
+    out = torch.empty(n, dtype=torch.int64)
+    library().hr_argmax_rows(x.data_ptr(), n, v, out.data_ptr())
     return out
 
 

@@ -21,6 +21,7 @@ from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
 from compute.penalties import Penalties
 from compute.sampler import Sampler, truncate
+from kernels.cpu import launch as cpu_kernels
 
 VOCAB = 64
 
@@ -46,28 +47,42 @@ def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
 
 # --- greedy ---------------------------------------------------------------------------
 
+# Greedy rows take torch's argmax, or (native_argmax, the CPU kernels' engines) the kernel's.
+ARGMAX = [
+    pytest.param(False, id="torch"),
+    pytest.param(
+        True,
+        id="kernel",
+        marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels here"),
+    ),
+]
 
-def test_greedy_is_argmax() -> None:
+
+@pytest.mark.parametrize("native", ARGMAX)
+def test_greedy_is_argmax(native: bool) -> None:
     logits = random_logits(8)
     seqs = [make_seq(f"r{i}", SamplingParams(temperature=0.0)) for i in range(8)]
-    tokens, logprobs = Sampler(VOCAB).sample(logits, seqs)
+    tokens, logprobs = Sampler(VOCAB, native_argmax=native).sample(logits, seqs)
     assert tokens == logits.argmax(dim=-1).tolist()
     assert logprobs == [None] * 8
 
 
-def test_greedy_ties_break_to_lowest_id() -> None:
-    logits = torch.zeros((2, VOCAB))
+@pytest.mark.parametrize("native", ARGMAX)
+def test_greedy_ties_break_to_lowest_id(native: bool) -> None:
+    logits = torch.zeros((3, VOCAB))
     logits[0, [7, 3, 40]] = 5.0
     logits[1, :] = 1.0
-    seqs = [make_seq(f"r{i}", SamplingParams(temperature=0.0)) for i in range(2)]
-    assert Sampler(VOCAB).sample(logits, seqs)[0] == [3, 0]
+    logits[2, :] = float("-inf")  # every token masked: id 0, as torch answers
+    seqs = [make_seq(f"r{i}", SamplingParams(temperature=0.0)) for i in range(3)]
+    assert Sampler(VOCAB, native_argmax=native).sample(logits, seqs)[0] == [3, 0, 0]
 
 
-def test_greedy_rows_mixed_with_random_rows() -> None:
+@pytest.mark.parametrize("native", ARGMAX)
+def test_greedy_rows_mixed_with_random_rows(native: bool) -> None:
     logits = random_logits(6)
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0) for i in range(6)]
     seqs = [make_seq(f"r{i}", p) for i, p in enumerate(params)]
-    tokens, _ = Sampler(VOCAB).sample(logits, seqs)
+    tokens, _ = Sampler(VOCAB, native_argmax=native).sample(logits, seqs)
     for i in (1, 3, 5):
         assert tokens[i] == int(logits[i].argmax())
 

@@ -580,6 +580,26 @@ def test_split_k_gives_the_bits_of_one_thread_and_of_a_full_batch(window, kv_dty
     assert torch.equal(split, batch[:rows])
 
 
+@pytest.mark.parametrize("case", ["random", "ties", "masked", "all_masked", "nan", "inf"])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (48, 1000), (3, 17), (70, 5)])
+def test_argmax_rows_gives_torch_argmax(case, rows, vocab):
+    """Greedy sampling's argmax: torch's ids exactly, ties to the lowest id, a NaN first."""
+    g = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=g)
+    mask = torch.rand(rows, vocab, generator=g) < 0.02
+    if case == "ties":
+        x = torch.round(x)
+    elif case == "masked":
+        x[:, ::3] = float("-inf")
+    elif case == "all_masked":
+        x[:] = float("-inf")
+    elif case == "nan":
+        x[mask] = float("nan")
+    elif case == "inf":
+        x[mask] = float("inf")
+    assert torch.equal(cpu.argmax_rows(x), x.argmax(dim=-1))
+
+
 def test_gelu_tanh_mul_matches_torch():
     gate_up = torch.randn(5, 96) * 3
     gate, up = gate_up.chunk(2, dim=-1)
