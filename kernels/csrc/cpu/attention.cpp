@@ -576,15 +576,23 @@ void attend_item(const Item& w, const float* query, const uint8_t* kc, const uin
   }
 }
 
+// The keys an item reads: from its first row's first visible key to its last row's last
+// (first..end - 1).
+inline void item_keys(const Item& w, const int32_t* context_lens, const int32_t* query_start,
+                      const Shape& s, int64_t& first, int64_t& end) {
+  const int64_t qlen = query_start[w.seq + 1] - query_start[w.seq], ctx = context_lens[w.seq];
+  const int64_t first_visible = ctx - qlen + w.q0 + 1;
+  first = s.window > 0 ? std::max<int64_t>(0, first_visible - s.window) : 0;
+  end = ctx - qlen + w.q1;
+}
+
 // The partitions of an item: those of its first row's first key to its last row's last.
 inline void item_parts(const Item& w, const int32_t* context_lens, const int32_t* query_start,
                        const Shape& s, int64_t& lo, int64_t& hi) {
-  const int64_t qlen = query_start[w.seq + 1] - query_start[w.seq], ctx = context_lens[w.seq];
-  const int64_t first_visible = ctx - qlen + w.q0 + 1, last_visible = ctx - qlen + w.q1;
-  const int64_t first =
-      s.window > 0 ? std::max<int64_t>(0, first_visible - s.window) : 0;
+  int64_t first, end;
+  item_keys(w, context_lens, query_start, s, first, end);
   lo = first / kPart;
-  hi = (last_visible - 1) / kPart;
+  hi = (end - 1) / kPart;
 }
 
 // The first kAheadChunks chunks a work unit reads (an item's within partition `part`, or
@@ -598,10 +606,9 @@ HR_PREFETCHER void prefetch_unit(const Item& w, int64_t part, const uint8_t* kc,
                                  const uint8_t* vc, const int32_t* block_tables,
                                  const int32_t* context_lens, const int32_t* query_start,
                                  const Shape& s) {
-  const int64_t qlen = query_start[w.seq + 1] - query_start[w.seq], ctx = context_lens[w.seq];
-  const int64_t first_visible = ctx - qlen + w.q0 + 1, last_visible = ctx - qlen + w.q1;
-  int64_t t0 = s.window > 0 ? std::max<int64_t>(0, first_visible - s.window) / kChunk * kChunk : 0;
-  int64_t t1 = last_visible;
+  int64_t t0, t1;
+  item_keys(w, context_lens, query_start, s, t0, t1);
+  t0 = t0 / kChunk * kChunk;  // the chunk holding the first key, where the item starts reading
   if (part >= 0) {
     t0 = std::max(t0, part * kPart);
     t1 = std::min(t1, (part + 1) * kPart);
