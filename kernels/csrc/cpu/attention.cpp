@@ -427,18 +427,18 @@ void attend_lanes(const Row* rows, int64_t n_rows, const Source& src, int64_t t_
       if (i >= ch.n)
         sc16[i] = splat(-INFINITY);
       else
-        sc16[i] = ((pos < visible) & (pos >= first)) ? finish_scores(sc16[i], s, scale)
-                                                      : splat(-INFINITY);
+        sc16[i] = select16((pos < visible) & (pos >= first), finish_scores(sc16[i], s, scale),
+                           splat(-INFINITY));
     }
     v16f chunk_max = sc16[0];
-    for (int i = 1; i < kChunk; ++i) chunk_max = chunk_max > sc16[i] ? chunk_max : sc16[i];
-    const v16f new_max = max > chunk_max ? max : chunk_max;
+    for (int i = 1; i < kChunk; ++i) chunk_max = select16(chunk_max > sc16[i], chunk_max, sc16[i]);
+    const v16f new_max = select16(max > chunk_max, max, chunk_max);
     // Rows whose keys ended before this chunk skip it in the per-row form; here their
     // lanes get c = exp16(0) = 1 and p = 0, which leaves sum and acc bit for bit as
     // they were. Rows whose window starts after this chunk (max still -inf) get c = 0 and
     // p = 0 from a max taken as 0: sum and acc stay 0, max -inf, as if skipped. Unused
     // lanes (visible 0) hold NaN and are never stored.
-    const v16f safe_max = new_max == -INFINITY ? splat(0.0f) : new_max;
+    const v16f safe_max = select16(new_max == -INFINITY, splat(0.0f), new_max);
     const v16f c = exp16(max - safe_max);
     v16f p[kChunk];
     for (int i = 0; i < kChunk; ++i) {

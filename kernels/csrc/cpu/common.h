@@ -21,10 +21,15 @@
 // short decode contexts then never wake the OpenMP team.
 constexpr int64_t kParallelWork = int64_t{1} << 17;
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef int8_t v16i8 __attribute__((vector_size(16)));
+
+#ifdef __AVX512F__
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef v16i v16m;  // a lane-wise comparison: -1 where true, else 0
+
+static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // Unaligned loads and stores through memcpy: the compiler emits one vmovups.
 static inline v16f load16(const float* p) {
@@ -34,6 +39,78 @@ static inline v16f load16(const float* p) {
 }
 
 static inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+#else
+// Without AVX-512 GCC has no 64-byte vector mode, so a vector_size(64) variable lives on
+// the stack: every loop-carried accumulator, every scalar broadcast and every conversion
+// went through memory (stores of one width read back at another, which stall store
+// forwarding), and the exact kernel ran at 1 GB/s, 10x slower than the int8 one. Two
+// __m256 in a struct stay in registers; the operators below are the same lane-wise
+// operations (no fused multiply-add where the source has none), so the sums and their
+// bits are the AVX-512 build's.
+struct v16m {
+  __m256 lo, hi;  // all-ones lanes where true
+};
+
+struct v16f {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+  float operator[](int i) const { return reinterpret_cast<const float*>(this)[i]; }
+  float& operator[](int i) { return reinterpret_cast<float*>(this)[i]; }
+};
+
+static inline v16f splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+
+static inline v16f load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+
+static inline void store16(float* p, v16f v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+
+#define HR_V16_BINARY(op, fn)                                                              \
+  static inline v16f operator op(v16f a, v16f b) { return {fn(a.lo, b.lo), fn(a.hi, b.hi)}; } \
+  static inline v16f operator op(v16f a, float b) { return a op splat(b); }               \
+  static inline v16f operator op(float a, v16f b) { return splat(a) op b; }               \
+  static inline v16f& operator op##=(v16f & a, v16f b) { return a = a op b; }             \
+  static inline v16f& operator op##=(v16f & a, float b) { return a = a op splat(b); }
+HR_V16_BINARY(+, _mm256_add_ps)
+HR_V16_BINARY(-, _mm256_sub_ps)
+HR_V16_BINARY(*, _mm256_mul_ps)
+HR_V16_BINARY(/, _mm256_div_ps)
+#undef HR_V16_BINARY
+
+static inline v16f operator-(v16f a) {  // the sign bit flipped, as GCC's vector negation
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  return {_mm256_xor_ps(a.lo, sign), _mm256_xor_ps(a.hi, sign)};
+}
+
+// Comparisons as GCC's vector extension defines them: ordered, except != (true for NaN).
+#define HR_V16_COMPARE(op, imm)                                                              \
+  static inline v16m operator op(v16f a, v16f b) {                                         \
+    return {_mm256_cmp_ps(a.lo, b.lo, imm), _mm256_cmp_ps(a.hi, b.hi, imm)};               \
+  }                                                                                          \
+  static inline v16m operator op(v16f a, float b) { return a op splat(b); }               \
+  static inline v16m operator op(float a, v16f b) { return splat(a) op b; }
+HR_V16_COMPARE(<, _CMP_LT_OQ)
+HR_V16_COMPARE(<=, _CMP_LE_OQ)
+HR_V16_COMPARE(>, _CMP_GT_OQ)
+HR_V16_COMPARE(>=, _CMP_GE_OQ)
+HR_V16_COMPARE(==, _CMP_EQ_OQ)
+HR_V16_COMPARE(!=, _CMP_NEQ_UQ)
+#undef HR_V16_COMPARE
+
+static inline v16m operator&(v16m a, v16m b) {
+  return {_mm256_and_ps(a.lo, b.lo), _mm256_and_ps(a.hi, b.hi)};
+}
+#endif
+
+// Lane by lane, x where m is true, else y (the vector extension's m ? x : y).
+static inline v16f select16(v16m m, v16f x, v16f y) {
+#ifdef __AVX512F__
+  return m ? x : y;
+#else
+  return {_mm256_blendv_ps(y.lo, x.lo, m.lo), _mm256_blendv_ps(y.hi, x.hi, m.hi)};
+#endif
+}
 
 // The sum of 16 lanes, by pairwise halving: the same order on every ISA and in every
 // kernel, so a dot product gives the same bits whichever kernel computed it.
@@ -42,9 +119,7 @@ static inline float hsum(v16f v) {
   const __m512 z = (__m512)v;
   const __m256 a = _mm256_add_ps(_mm512_extractf32x8_ps(z, 0), _mm512_extractf32x8_ps(z, 1));
 #else
-  __m256 halves[2];
-  std::memcpy(halves, &v, sizeof halves);
-  const __m256 a = _mm256_add_ps(halves[0], halves[1]);
+  const __m256 a = _mm256_add_ps(v.lo, v.hi);
 #endif
   const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
@@ -94,22 +169,12 @@ static inline float half_to_float(const uint8_t* p) {
   return _cvtsh_ss(h);  // exact: every fp16 value is a float
 }
 
-static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
 // a * b + c, fused, lane by lane (explicit, so no ISA or flag changes the rounding).
 static inline v16f fma16(v16f a, v16f b, v16f c) {
 #ifdef __AVX512F__
   return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #else
-  __m256 ah[2], bh[2], ch[2];
-  std::memcpy(ah, &a, sizeof a);
-  std::memcpy(bh, &b, sizeof b);
-  std::memcpy(ch, &c, sizeof c);
-  ch[0] = _mm256_fmadd_ps(ah[0], bh[0], ch[0]);
-  ch[1] = _mm256_fmadd_ps(ah[1], bh[1], ch[1]);
-  v16f out;
-  std::memcpy(&out, ch, sizeof out);
-  return out;
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 #endif
 }
 
@@ -123,10 +188,7 @@ static inline v16f widen_i32(__m128i lo8, __m128i hi8, bool is_signed) {
 #else
   const __m256i a = is_signed ? _mm256_cvtepi8_epi32(lo8) : _mm256_cvtepu8_epi32(lo8);
   const __m256i b = is_signed ? _mm256_cvtepi8_epi32(hi8) : _mm256_cvtepu8_epi32(hi8);
-  __m256 halves[2] = {_mm256_cvtepi32_ps(a), _mm256_cvtepi32_ps(b)};
-  v16f out;
-  std::memcpy(&out, halves, sizeof out);
-  return out;
+  return {_mm256_cvtepi32_ps(a), _mm256_cvtepi32_ps(b)};
 #endif
 }
 
@@ -150,9 +212,9 @@ static inline v16f int8_to_float(const uint8_t* p) {
 // Relative error < 2 ulp; x < -87.3 gives 0, x is clamped at 88.3 (~2e38, finite).
 static inline v16f exp16(v16f x) {
   const v16f lo = splat(-87.3f), hi = splat(88.3f);
-  const v16f under = x <= lo ? splat(1.0f) : v16f{};
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
+  const v16f under = select16(x <= lo, splat(1.0f), v16f{});
+  x = select16(x < lo, lo, x);
+  x = select16(x > hi, hi, x);
   v16f n = x * 1.44269504088896341f;
   // Round to nearest without libm: add and subtract 1.5 * 2^23.
   n = (n + 12582912.0f) - 12582912.0f;
@@ -165,12 +227,20 @@ static inline v16f exp16(v16f x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+#ifdef __AVX512F__
   v16i e = __builtin_convertvector(n, v16i) + 127;
   e = e << 23;
   v16f scale;
   std::memcpy(&scale, &e, sizeof scale);
+#else  // the same: truncate to int32 (n is integral), + 127, into the exponent's bits
+  const auto pow2 = [](__m256 h) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(h), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  };
+  const v16f scale = {pow2(n.lo), pow2(n.hi)};
+#endif
   v16f out = p * scale;
-  return under != 0.0f ? v16f{} : out;
+  return select16(under != 0.0f, v16f{}, out);
 }
 
 // The entry points, declared once so that every file (decoder.cpp chains them) sees the

@@ -97,8 +97,8 @@ HR_EXPORT void hr_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* 
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
       const v16f v = load16(row + i);
-      top = v > top ? v : top;  // a NaN lane compares false: kept out of the max
-      nan = v != v ? splat(1.0f) : nan;
+      top = select16(v > top, v, top);  // a NaN lane compares false: kept out of the max
+      nan = select16(v != v, splat(1.0f), nan);
     }
     float best = -INFINITY;
     bool any_nan = false;
