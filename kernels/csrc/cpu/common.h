@@ -45,8 +45,8 @@ static inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 // went through memory (stores of one width read back at another, which stall store
 // forwarding), and the exact kernel ran at 1 GB/s, 10x slower than the int8 one. Two
 // __m256 in a struct stay in registers; the operators below are the same lane-wise
-// operations (no fused multiply-add where the source has none), so the sums and their
-// bits are the AVX-512 build's.
+// operations, so the sums and their bits are the AVX-512 build's. (GCC's C++ default,
+// -ffp-contract=fast, fuses a multiply and an add into one FMA in either form, alike.)
 struct v16m {
   __m256 lo, hi;  // all-ones lanes where true
 };

@@ -460,7 +460,8 @@ void group_buffered(const float* wbuf, const float* x, int64_t k, float* out, in
 #else
   // AVX2 has 16 registers, too few for G x NB accumulators of two halves: lanes 0-7 of
   // every accumulator over all of k, then lanes 8-15. Each lane sums the same products in
-  // the same order as the 16-lane loop (a multiply, then an add: no fused rounding).
+  // the same order as the 16-lane loop (a multiply and an add, which GCC contracts to one
+  // fused multiply-add here as there: tests/kernels' batch invariance compares the two).
   for (int half = 0; half < 2; ++half) {
     __m256 a[G][NB];
     for (int i = 0; i < G; ++i)
