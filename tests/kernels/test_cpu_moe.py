@@ -56,6 +56,10 @@ def test_one_call_equals_the_per_op_path_and_is_batch_invariant(fmt: str, int8: 
     alone = torch.cat([moe(x[i : i + 1]) for i in range(x.shape[0])])
     assert torch.equal(alone, fused)
     assert torch.equal(torch.cat([moe(x[:5]), moe(x[5:])]), fused)
+    # More token-expert pairs than kernels/csrc/cpu/moe.cpp runs side by side (1,024: here
+    # 350 x 3) run the experts one after another, each on every thread: the same bits.
+    many = _x(350)
+    assert torch.equal(moe(many)[:37], moe(many[:37].contiguous()))
 
 
 def test_only_the_chosen_experts_run_once_per_step() -> None:
