@@ -79,7 +79,15 @@
 namespace {
 
 constexpr int64_t kTile = 16;     // weight rows per tile (one int32 / float lane each)
+#ifdef __AVX512F__
 constexpr int kRows = 8;          // input rows sharing one unpacked weight block
+#else
+// AVX2 (tile_dot_halves): 4 rows' sums leave registers for the codes and scales (8 rows
+// were 13% slower on 8 rows of a Q4_K 1024 x 1024, 9% on 48, alternated in one process),
+// and up to 2 rows run both halves of a tile in one pass.
+constexpr int kRows = 4;
+constexpr int kBothHalves = 2;
+#endif
 constexpr int64_t kXTile = 64;    // input rows a thread runs its tiles over (~37 KB at k = 576)
 // Bytes ahead to prefetch, into L2: decode streams every weight from DRAM once per step.
 // Prefetches into L1 (T0) hold the core's few L1 miss buffers and capped a one-row pass
@@ -92,14 +100,24 @@ constexpr int64_t kXTile = 64;    // input rows a thread runs its tiles over (~3
 // 8 KB and 48 KB were slower than 16 KB.
 constexpr int64_t kAhead = 12288;
 
-// The activations, quantized: per row the codes in plain order, per block dx and
-// dx * sum(codes).
+// Rows of activations the quantized codes interleave (AVX2's tile_dot_half reads 8 rows'
+// codes of a block at constant offsets from one pointer; tile_dot one row's 32 codes).
+#ifdef __AVX512F__
+constexpr int64_t kGroupRows = 1;
+#else
+constexpr int64_t kGroupRows = 8;
+#endif
+
+// The activations, quantized, in groups of kGroupRows rows (the last padded): block b of
+// row j is unit u = ((j / G) * nb + b) * G + j % G (G = kGroupRows; with G = 1, j * nb + b),
+// its dx, dxs, xm at u, x16 at 2u, and its codes 4t .. 4t + 3 at
+// ((j / G) * nb + b) * 32 G + 4 G t + 4 (j % G) (G = 1: row by row, in plain order).
 struct QuantizedRows {
-  std::vector<int8_t> q;     // [n][nb * 32]
-  std::vector<float> dx;     // [n][nb]
-  std::vector<float> dxs;    // [n][nb]
-  std::vector<int32_t> x16;  // [n][nb][2]: the codes' sum over each half of 16 (Q6_K)
-  std::vector<int32_t> xm;   // [n][nb]: -128 * the codes' sum (IQ4's sums start there)
+  std::vector<int8_t> q;     // [units][32]
+  std::vector<float> dx;     // [units]
+  std::vector<float> dxs;    // [units]: dx * the codes' sum
+  std::vector<int32_t> x16;  // [units][2]: the codes' sum over each half of 16 (Q6_K)
+  std::vector<int32_t> xm;   // [units]: -128 * the codes' sum (IQ4's sums start there)
 };
 
 // Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6
@@ -114,8 +132,8 @@ inline int64_t row_bytes_of(int64_t format, int64_t nb) {
 }
 
 // One block of 32 activations: amax over |x|, codes nearbyint(x * 127 / amax) (round half
-// to even), their sums. The AVX-512 path computes the same bits as the scalar one: max is
-// exact in any order, each product is one rounding, cvtps rounds as nearbyint does.
+// to even), their sums. The AVX-512 and AVX2 paths compute the same bits as the scalar one:
+// max is exact in any order, each product is one rounding, cvtps rounds as nearbyint does.
 void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x16,
                     int32_t* xm) {
 #ifdef __AVX512F__
@@ -127,6 +145,30 @@ void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
   const int halves[2] = {_mm512_reduce_add_epi32(qa), _mm512_reduce_add_epi32(qb)};
+#elif defined(__AVX2__)
+  __m256 v[4], m = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  __m256i c[4];
+  for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+  // int32 -> int8 (|c| <= 127: no saturation); packs interleave 128-bit lanes: undo it.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                           _mm256_packs_epi32(c[2], c[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  auto total = [](__m256i a) {
+    const __m128i b = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    const __m128i d = _mm_add_epi32(b, _mm_shuffle_epi32(b, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(d, _mm_shuffle_epi32(d, _MM_SHUFFLE(2, 3, 0, 1))));
+  };
+  const int halves[2] = {total(_mm256_add_epi32(c[0], c[1])), total(_mm256_add_epi32(c[2], c[3]))};
 #else
   float amax = 0.0f;
   for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
@@ -147,15 +189,25 @@ void quantize_block(const float* x, int8_t* q, float* dx, float* dxs, int32_t* x
 
 void quantize_rows(const float* x, int64_t n, int64_t k, QuantizedRows& out) {
   const int64_t nb = k / 32;
-  out.q.resize(n * k);
-  out.dx.resize(n * nb);
-  out.dxs.resize(n * nb);
-  out.x16.resize(n * nb * 2);
-  out.xm.resize(n * nb);
+  const int64_t units = (n + kGroupRows - 1) / kGroupRows * kGroupRows * nb;
+  out.q.resize(units * 32);
+  out.dx.resize(units);
+  out.dxs.resize(units);
+  out.x16.resize(units * 2);
+  out.xm.resize(units);
 #pragma omp parallel for schedule(static) if (n >= 16)
-  for (int64_t i = 0; i < n * nb; ++i)
-    quantize_block(x + i * 32, out.q.data() + i * 32, out.dx.data() + i, out.dxs.data() + i,
-                   out.x16.data() + 2 * i, out.xm.data() + i);
+  for (int64_t i = 0; i < n * nb; ++i) {
+    const int64_t j = i / nb, b = i % nb, group = j / kGroupRows * nb + b;
+    const int64_t u = group * kGroupRows + j % kGroupRows;
+    alignas(32) int8_t codes[32];
+    int8_t* q = kGroupRows == 1 ? out.q.data() + 32 * u : codes;
+    quantize_block(x + i * 32, q, out.dx.data() + u, out.dxs.data() + u, out.x16.data() + 2 * u,
+                   out.xm.data() + u);
+    if (kGroupRows > 1) {
+      int8_t* to = out.q.data() + group * 32 * kGroupRows + 4 * (j % kGroupRows);
+      for (int t = 0; t < 8; ++t) std::memcpy(to + 4 * kGroupRows * t, codes + 4 * t, 4);
+    }
+  }
 }
 
 // 16 int32 lanes: one zmm with AVX-512, two ymm with AVX2.
@@ -543,6 +595,232 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
   }
 }
 
+#ifndef __AVX512F__
+// AVX2. A tile's 8 unpacked code vectors and NR rows' sums of 16 lanes are two ymm each
+// here, far more than the 16 registers: in tile_dot's form every dot4 spilled and
+// reloaded its sums. So a tile runs as two passes of 8 rows (lanes 0-7, then 8-15: the
+// low, then the high 32 bytes of each 64-byte vector, and the matching halves of the
+// scales) with one ymm of int32 sums per input row, each code vector unpacked where it is
+// used, and the activations in groups of 8 rows (QuantizedRows), so that every broadcast
+// is at a constant offset from one pointer. The maddubs products are summed in int16 over
+// as many code vectors as cannot overflow (pairs of u * x up to umax * 127 * 2: 4-bit
+// codes 8 vectors, 5-bit 4, 6-bit 2; IQ4's and Q8_0's bytes as two nibbles, 8 each), then
+// widened by one madd, where dot4 widens every product. The int32 sums are the same exact
+// integers and each lane's float operations the same, so the bits are tile_dot's.
+inline __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline __m128i load8(const void* p) {
+  return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+}
+inline __m256 halves8(const uint8_t* p) {  // 8 fp16 as floats
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 ubytes8(const uint8_t* p) {  // 8 uint8 as floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(p)));
+}
+
+// Code vector t of a block (C::unpack's u[t]) for pass h's 8 rows.
+template <class C>
+inline __m256i code_vector(const uint8_t* p, int h, int t) {
+  if constexpr (std::is_same_v<C, Q8>) {
+    return _mm256_xor_si256(load32(p + 64 * t + 32 * h), _mm256_set1_epi8(-128));
+  } else {
+    const __m256i b = load32(p + 64 * (t / 2) + 32 * h);
+    __m256i u = and15(t % 2 ? _mm256_srli_epi16(b, 4) : b);
+    if constexpr (std::is_same_v<C, Q5> || std::is_same_v<C, Q5K>) {
+      uint32_t bits;  // the pass's half of word t of the plane of 5th bits
+      std::memcpy(&bits, p + 256 + 8 * t + 4 * h, 4);
+      u = _mm256_or_si256(u, high_bytes(bits));
+    }
+    if constexpr (std::is_same_v<C, Q6K>)
+      u = _mm256_or_si256(u, top2_half(load32(p + 256 + 64 * (t / 4) + 32 * h), t % 4));
+    if constexpr (kIQ4<C>)
+      u = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(
+                                  reinterpret_cast<const __m128i*>(kIQ4Codes))),
+                              u);
+    return u;
+  }
+}
+
+// Code vectors summed in int16 before one madd, so that no int16 sum can overflow.
+template <class C>
+constexpr int kInt16Sums = std::is_same_v<C, Q6K>                           ? 2
+                           : std::is_same_v<C, Q5> || std::is_same_v<C, Q5K> ? 4
+                                                                              : 8;
+
+// s[j] += per lane the sum over code vectors t0 .. t1 - 1 of u[t] . row j's 4 codes t
+// (xq: row 0's codes of the block in the grouped layout: codes t of row j at 32 t + 4 j).
+// Inlined with t0, t1 constants and the loops unrolled, so each code vector's unpacking is
+// fixed at compile time (left as a loop, GCC computed t % 2, t / 4 and branched on them).
+// Wide codes (IQ4, Q8_0: up to 255) as two nibbles, the high ones times 16. `scale`: each
+// lane's int16 multiplier of its sums (both halves of the lane alike: Q6_K's sub-block
+// scale, so s[j] += sc * sum), or 1.
+template <class C, int NR>
+inline void sums_half(const uint8_t* codes, int h, const int8_t* xq, int t0, int t1,
+                      __m256i (&s)[NR], __m256i scale = _mm256_set1_epi16(1)) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto x = [&](int t, int j) { return _mm256_set1_epi32(load4(xq + 32 * t + 4 * j)); };
+  if constexpr (C::kWide) {
+    __m256i lo[NR], hi[NR];
+#pragma GCC unroll 8
+    for (int t = t0; t < t1; ++t) {
+      const __m256i u = code_vector<C>(codes, h, t);
+      const __m256i ul = and15(u), uh = and15(_mm256_srli_epi16(u, 4));
+      for (int j = 0; j < NR; ++j) {
+        const __m256i a = _mm256_maddubs_epi16(ul, x(t, j)), b = _mm256_maddubs_epi16(uh, x(t, j));
+        lo[j] = t == t0 ? a : _mm256_add_epi16(lo[j], a);
+        hi[j] = t == t0 ? b : _mm256_add_epi16(hi[j], b);
+      }
+    }
+    for (int j = 0; j < NR; ++j)
+      s[j] = _mm256_add_epi32(
+          s[j], _mm256_add_epi32(_mm256_madd_epi16(lo[j], ones),
+                                 _mm256_slli_epi32(_mm256_madd_epi16(hi[j], ones), 4)));
+  } else {
+    // The block's code vectors once, then row by row: with the rows inner, GCC turned each
+    // row's int16 sum into a tree over every product and spilled the products.
+    __m256i u[8];
+#pragma GCC unroll 8
+    for (int t = t0; t < t1; ++t) u[t] = code_vector<C>(codes, h, t);
+    for (int j = 0; j < NR; ++j) {
+#pragma GCC unroll 8
+      for (int t = t0; t < t1; t += kInt16Sums<C>) {
+        __m256i p = _mm256_maddubs_epi16(u[t], x(t, j));
+#pragma GCC unroll 8
+        for (int g = 1; g < kInt16Sums<C>; ++g)
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[t + g], x(t + g, j)));
+        s[j] = _mm256_add_epi32(s[j], _mm256_madd_epi16(p, scale));
+      }
+    }
+  }
+}
+
+// Halves h0 .. h0 + H - 1 (rows 8h .. 8h + 7) of tile_dot for NR input rows from j0, all
+// in one group of kGroupRows (tile_rows' row counts halve from 8 at a multiple of 64).
+// Many rows run one half per pass (H = 1: their sums fill the registers); one or two rows
+// both halves in one pass (H = 2), which unpacks each block's scales once.
+template <class C, int NR, int H>
+void tile_dot_halves(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRows& xr,
+                     int64_t j0, float* out, int64_t ldo, int64_t r0, int64_t valid,
+                     const float* bias, bool prefetch, int h0) {
+  const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
+  const uint8_t* mh = dh + nb * kTile * 2;
+  const float min_per_d = format == 0 ? -8.0f : format == 3 ? -16.0f : -128.0f;
+  const int64_t share = row_bytes_of(format, nb) * kTile / nb;
+  const int64_t g0 = j0 / kGroupRows * nb * kGroupRows, slot = j0 % kGroupRows;
+  const int8_t* xq0 = xr.q.data() + g0 * 32 + 4 * slot;  // + block b: 32 kGroupRows b
+  const float* dx0 = xr.dx.data() + g0 + slot;           // + block b: kGroupRows b
+  const float* dxs0 = xr.dxs.data() + g0 + slot;
+  __m256 acc[H][NR];
+  for (int hh = 0; hh < H; ++hh)
+    for (int j = 0; j < NR; ++j) acc[hh][j] = _mm256_setzero_ps();
+  alignas(64) uint8_t scales[2][128];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* codes = tile + b * kTile * C::kBlockBytes;
+    if (prefetch) {
+      const char* from = reinterpret_cast<const char*>(tile) + kAhead + b * share;
+      const char* line =
+          reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});
+      for (; line < from + share; line += 64) _mm_prefetch(line, _MM_HINT_T1);
+    }
+    const int8_t* xq = xq0 + 32 * kGroupRows * b;
+    auto dx = [&](int j) { return _mm256_set1_ps(dx0[kGroupRows * b + j]); };
+    auto dxs = [&](int j) { return _mm256_set1_ps(dxs0[kGroupRows * b + j]); };
+    if constexpr (kKQuant<C>) {
+      if (b % 8 == 0) unpack_qk_scales(dh + 192 * (b / 8), scales[0], scales[1]);
+    }
+    if constexpr (std::is_same_v<C, IQ4XS>) {
+      if (b % 8 == 0) unpack_iq4xs_scales(dh + 128 * (b / 8), scales[0]);
+    }
+    for (int hh = 0; hh < H; ++hh) {
+      const int h = h0 + hh;
+      __m256(&a)[NR] = acc[hh];
+      if constexpr (std::is_same_v<C, Q6K>) {
+        // T = sc0 (S0 - 32 X0) + sc1 (S1 - 32 X1) (tile_dot's integers) as
+        // sc0 S0 + sc1 S1 - 32 (sc0 X0 + sc1 X1): the scales multiply the int16 sums in
+        // the madds that widen them, and one madd of (sc0, sc1) by (X0, X1) (|X| <= 16 *
+        // 127 fits int16) takes the offset, where tile_dot spends two vpmulld a row.
+        const int8_t* sc = reinterpret_cast<const int8_t*>(dh) + 32 * b + 8 * h;
+        const __m256i sc0 = _mm256_cvtepi8_epi32(load8(sc));
+        const __m256i sc1 = _mm256_cvtepi8_epi32(load8(sc + 16));
+        const __m256i low = _mm256_set1_epi32(0xffff);
+        auto pair = [&](__m256i a, __m256i b) {  // int16 a | b << 16 in each lane
+          return _mm256_or_si256(_mm256_and_si256(a, low), _mm256_slli_epi32(b, 16));
+        };
+        __m256i s[NR];
+        for (int j = 0; j < NR; ++j) s[j] = _mm256_setzero_si256();
+        sums_half<C, NR>(codes, h, xq, 0, 4, s, pair(sc0, sc0));
+        sums_half<C, NR>(codes, h, xq, 4, 8, s, pair(sc1, sc1));
+        const __m256i scs = pair(sc0, sc1);
+        const __m256 d = halves8(dh + nb * 2 * kTile + 32 * (b / 8) + 16 * h);
+        for (int j = 0; j < NR; ++j) {
+          const int32_t* x16 = xr.x16.data() + 2 * (g0 + slot + kGroupRows * b + j);
+          const uint32_t xs16 = (static_cast<uint32_t>(x16[0]) & 0xffffu) |
+                                static_cast<uint32_t>(x16[1]) << 16;
+          const __m256i xs = _mm256_set1_epi32(static_cast<int32_t>(xs16));
+          const __m256i sum =
+              _mm256_sub_epi32(s[j], _mm256_slli_epi32(_mm256_madd_epi16(scs, xs), 5));
+          a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, dx(j)), a[j]);
+        }
+        continue;
+      }
+      __m256i s[NR];
+      for (int j = 0; j < NR; ++j)
+        s[j] = kIQ4<C> ? _mm256_set1_epi32(xr.xm[g0 + slot + kGroupRows * b + j])
+                       : _mm256_setzero_si256();
+      sums_half<C, NR>(codes, h, xq, 0, 8, s);
+      if constexpr (kKQuant<C>) {
+        const uint8_t* halves = dh + nb / 8 * 192 + 64 * (b / 8) + 16 * h;  // d, then dmin
+        // d * sc and -dmin * m (tile_dot's, on 8 lanes)
+        const __m256 dsc =
+            _mm256_mul_ps(ubytes8(scales[0] + 16 * (b % 8) + 8 * h), halves8(halves));
+        const __m256 mneg =
+            _mm256_mul_ps(ubytes8(scales[1] + 16 * (b % 8) + 8 * h),
+                          _mm256_xor_ps(halves8(halves + 32), _mm256_set1_ps(-0.0f)));
+        for (int j = 0; j < NR; ++j) {
+          a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[j]), _mm256_mul_ps(dsc, dx(j)), a[j]);
+          a[j] = _mm256_fmadd_ps(mneg, dxs(j), a[j]);
+        }
+        continue;
+      }
+      if constexpr (kIQ4<C>) {
+        __m256 scale;
+        if constexpr (std::is_same_v<C, IQ4XS>) {
+          const __m256 ls = ubytes8(scales[0] + 64 * (b % 2) + 16 * (b % 8 / 2) + 8 * h);
+          scale = _mm256_mul_ps(_mm256_sub_ps(ls, _mm256_set1_ps(32.0f)),
+                                halves8(dh + 128 * (b / 8) + 96 + 16 * h));
+        } else {
+          scale = halves8(dh + 32 * b + 16 * h);
+        }
+        for (int j = 0; j < NR; ++j)
+          a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[j]), _mm256_mul_ps(scale, dx(j)), a[j]);
+        continue;
+      }
+      const __m256 d = halves8(dh + 32 * b + 16 * h);
+      const __m256 m = format == 1 || format == 4
+                           ? halves8(mh + 32 * b + 16 * h)
+                           : _mm256_mul_ps(d, _mm256_set1_ps(min_per_d));
+      for (int j = 0; j < NR; ++j) {
+        a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[j]), _mm256_mul_ps(d, dx(j)), a[j]);
+        a[j] = _mm256_fmadd_ps(m, dxs(j), a[j]);
+      }
+    }
+  }
+  for (int hh = 0; hh < H; ++hh) {
+    const int h = h0 + hh;
+    const int64_t lanes = std::min<int64_t>(8, valid - 8 * h);
+    for (int j = 0; j < NR; ++j) {
+      float v[8];
+      _mm256_storeu_ps(v, acc[hh][j]);
+      float* o = out + (j0 + j) * ldo + r0 + 8 * h;
+      for (int64_t i = 0; i < lanes; ++i) o[i] = v[i] + (bias ? bias[r0 + 8 * h + i] : 0.0f);
+    }
+  }
+}
+#endif
+
+#ifdef __AVX512F__
 template <class C, int NR>
 void tile_rows(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRows& xr,
                int64_t x0, int64_t x1, float* out, int64_t ldo, int64_t m, int64_t r0,
@@ -555,6 +833,37 @@ void tile_rows(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedR
     if (j < x1) tile_rows<C, NR / 2>(tile, nb, format, xr, j, x1, out, ldo, m, r0, bias);
   }
 }
+#else
+template <class C, int NR>
+void tile_rows_of(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRows& xr,
+                  int64_t j, float* out, int64_t ldo, int64_t r0, int64_t valid,
+                  const float* bias, bool prefetch) {
+  if constexpr (NR <= kBothHalves) {
+    tile_dot_halves<C, NR, 2>(tile, nb, format, xr, j, out, ldo, r0, valid, bias, prefetch, 0);
+  } else {
+    tile_dot_halves<C, NR, 1>(tile, nb, format, xr, j, out, ldo, r0, valid, bias, prefetch, 0);
+    if (valid > 8)
+      tile_dot_halves<C, NR, 1>(tile, nb, format, xr, j, out, ldo, r0, valid, bias, false, 1);
+  }
+}
+
+// kRows rows at a time, then the 1 to 3 left in one pass over the tile (an expert's few
+// rows are often 3, 5 or 7: halving them read its weights once more).
+template <class C, int NR>
+void tile_rows(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRows& xr,
+               int64_t x0, int64_t x1, float* out, int64_t ldo, int64_t m, int64_t r0,
+               const float* bias) {
+  static_assert(NR == 4, "the rows left are 1 to 3");
+  const int64_t valid = std::min(kTile, m - r0);
+  int64_t j = x0;
+  for (; j + NR <= x1; j += NR)
+    tile_rows_of<C, NR>(tile, nb, format, xr, j, out, ldo, r0, valid, bias, j == x0);
+  const bool first = j == x0;
+  if (x1 - j == 3) tile_rows_of<C, 3>(tile, nb, format, xr, j, out, ldo, r0, valid, bias, first);
+  if (x1 - j == 2) tile_rows_of<C, 2>(tile, nb, format, xr, j, out, ldo, r0, valid, bias, first);
+  if (x1 - j == 1) tile_rows_of<C, 1>(tile, nb, format, xr, j, out, ldo, r0, valid, bias, first);
+}
+#endif
 
 // ldo: the row stride of out (m, or wider when W is one part of a stacked weight).
 template <class C>
