@@ -29,6 +29,7 @@ _F = ctypes.c_float
 _SIGNATURES = {
     "hr_quant_linear": (_I, _P, _I, _I, _P, _I, _P, _P),
     "hr_quant_linear_int8": (_I, _P, _I, _I, _P, _I, _P, _P),
+    "hr_quant_linear_int8_tile16": (_I, _P, _I, _I, _P, _I, _P, _P),  # a test's check
     "hr_dequantize_rows": (_I, _P, _I, _P, _I, _P),
     "hr_dequantize_tiled": (_I, _P, _I, _P, _I, _P),
     "hr_rms_norm": (_P, _P, _P, _I, _I, _F),

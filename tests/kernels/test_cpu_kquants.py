@@ -381,6 +381,37 @@ def test_native_int8_gives_the_same_bits_on_every_isa(fmt):
             assert torch.equal(out, outs[0]), f"{fmt}: {isa} differs from {runnable[0]}"
 
 
+@pytest.mark.parametrize("fmt", [*NATIVE_INT8, "q4_0", "q4_1", "q8_0"])
+def test_native_int8_gives_the_bits_of_the_16_lane_form(fmt):
+    """The kernel each ISA runs against tile_dot's 16-lane form built for the same ISA
+    (hr_quant_linear_int8_tile16): AVX2's passes of 8 rows, int16 sums, grouped activations
+    and Q6_K scales inside the madds give the same bits, on every row count (4 at a time,
+    then 1-3 in one pass), partial tiles, large activations and a bias. (AVX-512 runs that
+    form itself; the ISAs against each other: the test above, where a CPU runs several.)"""
+    lib = cpu.library()
+    cols = 576 if fmt in ("q5_0", "q5_1", "iq4_nl", "q4_0", "q4_1", "q8_0") else 768
+    for rows in (13, 37):
+        if fmt == "q8_0":
+            blocks = _q8_0_blocks(rows, cols)
+        elif fmt in ("q4_0", "q4_1"):
+            from tests.kernels.test_cpu_kernels import random_blocks as regrouped_blocks
+
+            blocks = regrouped_blocks(fmt, rows, cols, seed=rows)
+        else:
+            blocks = random_blocks(fmt, rows, cols, seed=rows)
+        weight = QuantizedWeight.from_gguf(fmt, blocks, cols).for_int8().tiled()
+        bias = torch.randn(rows)
+        for n in (1, 2, 3, 4, 5, 6, 7, 9, 70):
+            x = torch.randn(n, cols)
+            x[0] *= 1e3  # codes at +-127
+            got, want = torch.empty(n, rows), torch.empty(n, rows)
+            for fn, out in ((lib.hr_quant_linear_int8, got),
+                            (lib.hr_quant_linear_int8_tile16, want)):  # fmt: skip
+                fn(weight.format.code, x.data_ptr(), n, cols, weight.data.data_ptr(), rows,
+                   out.data_ptr(), bias.data_ptr())  # fmt: skip
+            assert torch.equal(got, want), f"{fmt}: {rows} rows, {n} inputs"
+
+
 def test_stacked_tiled_iq4_parts_for_the_int8_kernel():
     """The fused q|k|v of an IQ4_XS file in int8 mode: IQ4_XS q over IQ4_NL k and v (rows
     that are not multiples of 256 fall back to IQ4_NL) beside a Q8_0 and a Q5_K part, each

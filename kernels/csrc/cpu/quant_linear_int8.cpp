@@ -120,6 +120,14 @@ struct QuantizedRows {
   std::vector<int32_t> xm;   // [units]: -128 * the codes' sum (IQ4's sums start there)
 };
 
+// Block b of row j: its unit, and the offset of its codes 4t .. 4t + 3 in q.
+inline int64_t unit_of(int64_t j, int64_t b, int64_t nb) {
+  return (j / kGroupRows * nb + b) * kGroupRows + j % kGroupRows;
+}
+inline int64_t codes_at(int64_t j, int64_t b, int t, int64_t nb) {
+  return (j / kGroupRows * nb + b) * 32 * kGroupRows + 4 * kGroupRows * t + 4 * (j % kGroupRows);
+}
+
 // Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6
 // Q5_K, 7 Q6_K, 9 IQ4_NL, 10 IQ4_XS), codes and scales; a tile is 16 of them.
 inline int64_t row_bytes_of(int64_t format, int64_t nb) {
@@ -497,7 +505,6 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
   const uint8_t* mh = dh + nb * kTile * 2;
   // Q4_0, Q5_0, Q8_0 (Q4_1 and Q5_1 store m)
   const float min_per_d = format == 0 ? -8.0f : format == 3 ? -16.0f : -128.0f;
-  const int64_t k = nb * 32;
   const int64_t share = row_bytes_of(format, nb) * kTile / nb;  // bytes of the tile per block
   v16f acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = splat(0.0f);
@@ -517,7 +524,7 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
       for (int j = 0; j < NR; ++j) s[j] = zero16();
       for (int t = 0; t < 8; ++t)
         for (int j = 0; j < NR; ++j)
-          s[j] = dot4(s[j], u[t], load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t), false);
+          s[j] = dot4(s[j], u[t], load4(xr.q.data() + codes_at(j0 + j, b, t, nb)), false);
       if (b % 8 == 0) unpack_qk_scales(dh + 192 * (b / 8), scales[0], scales[1]);
       const I16 sc = ubytes16(scales[0] + 16 * (b % 8)), mn = ubytes16(scales[1] + 16 * (b % 8));
       const uint8_t* halves = dh + nb / 8 * 192 + 64 * (b / 8);  // d, then dmin
@@ -525,7 +532,7 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
       const v16f dsc = to_float(sc) * halves16(halves);
       const v16f mneg = to_float(mn) * -halves16(halves + 32);
       for (int j = 0; j < NR; ++j) {
-        const int64_t at = (j0 + j) * nb + b;
+        const int64_t at = unit_of(j0 + j, b, nb);
         acc[j] = fma16(to_float(s[j]), dsc * xr.dx[at], acc[j]);
         acc[j] = fma16(mneg, splat(xr.dxs[at]), acc[j]);
       }
@@ -534,10 +541,10 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
     if constexpr (kIQ4<C>) {
       // Each sum starts at -128 * sum(xq): it ends at sum(v * xq), exact in int32.
       I16 s[NR];
-      for (int j = 0; j < NR; ++j) s[j] = splat16(xr.xm[(j0 + j) * nb + b]);
+      for (int j = 0; j < NR; ++j) s[j] = splat16(xr.xm[unit_of(j0 + j, b, nb)]);
       for (int t = 0; t < 8; ++t)
         for (int j = 0; j < NR; ++j)
-          s[j] = dot4(s[j], u[t], load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t), true);
+          s[j] = dot4(s[j], u[t], load4(xr.q.data() + codes_at(j0 + j, b, t, nb)), true);
       v16f scale;
       if constexpr (std::is_same_v<C, IQ4XS>) {
         const uint8_t* sb = dh + 128 * (b / 8);  // scales_l, scales_h, d
@@ -548,7 +555,7 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
         scale = halves16(dh + 32 * b);
       }
       for (int j = 0; j < NR; ++j) {
-        const int64_t at = (j0 + j) * nb + b;
+        const int64_t at = unit_of(j0 + j, b, nb);
         acc[j] = fma16(to_float(s[j]), scale * xr.dx[at], acc[j]);
       }
       continue;
@@ -561,13 +568,13 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
       for (int j = 0; j < NR; ++j) s0[j] = s1[j] = zero16();
       for (int t = 0; t < 8; ++t)
         for (int j = 0; j < NR; ++j) {
-          const int32_t x4 = load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t);
+          const int32_t x4 = load4(xr.q.data() + codes_at(j0 + j, b, t, nb));
           if (t < 4) s0[j] = dot4(s0[j], u[t], x4, false);
           else s1[j] = dot4(s1[j], u[t], x4, false);
         }
       const I16 sc0 = bytes16(sc), sc1 = bytes16(sc + 16);
       for (int j = 0; j < NR; ++j) {
-        const int64_t at = (j0 + j) * nb + b;
+        const int64_t at = unit_of(j0 + j, b, nb);
         const int32_t* x16 = xr.x16.data() + 2 * at;
         const I16 sum = scaled_pair(sc0, s0[j], 32 * x16[0], sc1, s1[j], 32 * x16[1]);
         acc[j] = fma16(to_float(sum), d * xr.dx[at], acc[j]);
@@ -578,11 +585,11 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
     for (int j = 0; j < NR; ++j) s[j] = zero16();
     for (int t = 0; t < 8; ++t)
       for (int j = 0; j < NR; ++j)
-        s[j] = dot4(s[j], u[t], load4(xr.q.data() + (j0 + j) * k + b * 32 + 4 * t), C::kWide);
+        s[j] = dot4(s[j], u[t], load4(xr.q.data() + codes_at(j0 + j, b, t, nb)), C::kWide);
     const v16f d = halves16(dh + 32 * b);
     const v16f m = format == 1 || format == 4 ? halves16(mh + 32 * b) : d * min_per_d;
     for (int j = 0; j < NR; ++j) {
-      const int64_t at = (j0 + j) * nb + b;
+      const int64_t at = unit_of(j0 + j, b, nb);
       acc[j] = fma16(to_float(s[j]), d * xr.dx[at], acc[j]);
       acc[j] = fma16(m, splat(xr.dxs[at]), acc[j]);
     }
@@ -820,18 +827,27 @@ void tile_dot_halves(const uint8_t* tile, int64_t nb, int64_t format, const Quan
 }
 #endif
 
-#ifdef __AVX512F__
+// tile_dot over rows x0 .. x1 - 1: NR at a time, then halving. The AVX-512 kernel; on AVX2
+// the 16-lane form that tile_dot_halves must give the bits of (hr_quant_linear_int8_tile16).
 template <class C, int NR>
-void tile_rows(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRows& xr,
-               int64_t x0, int64_t x1, float* out, int64_t ldo, int64_t m, int64_t r0,
-               const float* bias) {
+void tile_rows16(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRows& xr,
+                 int64_t x0, int64_t x1, float* out, int64_t ldo, int64_t m, int64_t r0,
+                 const float* bias) {
   const int64_t valid = std::min(kTile, m - r0);
   int64_t j = x0;
   for (; j + NR <= x1; j += NR)
     tile_dot<C, NR>(tile, nb, format, xr, j, out, ldo, r0, valid, bias, j == x0);
   if constexpr (NR > 1) {
-    if (j < x1) tile_rows<C, NR / 2>(tile, nb, format, xr, j, x1, out, ldo, m, r0, bias);
+    if (j < x1) tile_rows16<C, NR / 2>(tile, nb, format, xr, j, x1, out, ldo, m, r0, bias);
   }
+}
+
+#ifdef __AVX512F__
+template <class C, int NR>
+void tile_rows(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRows& xr,
+               int64_t x0, int64_t x1, float* out, int64_t ldo, int64_t m, int64_t r0,
+               const float* bias) {
+  tile_rows16<C, NR>(tile, nb, format, xr, x0, x1, out, ldo, m, r0, bias);
 }
 #else
 template <class C, int NR>
@@ -866,7 +882,8 @@ void tile_rows(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedR
 #endif
 
 // ldo: the row stride of out (m, or wider when W is one part of a stacked weight).
-template <class C>
+// kTile16: tile_rows16 on every ISA (the AVX2 build's check of tile_dot_halves).
+template <class C, bool kTile16 = false>
 void linear(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const uint8_t* w,
             int64_t m, float* out, int64_t ldo, const float* bias, int64_t row_bytes) {
   const int64_t nb = k / 32, tiles = (m + kTile - 1) / kTile;
@@ -882,8 +899,12 @@ void linear(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const
     for (int64_t x0 = 0; x0 < n; x0 += kXTile) {
       const int64_t x1 = std::min(n, x0 + kXTile);
       for (int64_t t = t0; t < t1; ++t)
-        tile_rows<C, kRows>(w + t * kTile * row_bytes, nb, format, xr, x0, x1, out, ldo, m,
-                            t * kTile, bias);
+        if constexpr (kTile16)
+          tile_rows16<C, kRows>(w + t * kTile * row_bytes, nb, format, xr, x0, x1, out, ldo,
+                                m, t * kTile, bias);
+        else
+          tile_rows<C, kRows>(w + t * kTile * row_bytes, nb, format, xr, x0, x1, out, ldo, m,
+                              t * kTile, bias);
     }
   }
 }
@@ -1005,17 +1026,33 @@ void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t
   });
 }
 
+template <bool kTile16>
 void linear_of(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, const uint8_t* w,
                int64_t m, float* out, int64_t ldo, const float* bias) {
   const int64_t rb = row_bytes_of(format, k / 32);
-  if (format == 2) return linear<Q8>(format, xr, n, k, w, m, out, ldo, bias, rb);
-  if (format == 3 || format == 4) return linear<Q5>(format, xr, n, k, w, m, out, ldo, bias, rb);
-  if (format == 7) return linear<Q6K>(format, xr, n, k, w, m, out, ldo, bias, rb);
-  if (format == 5) return linear<Q4K>(format, xr, n, k, w, m, out, ldo, bias, rb);
-  if (format == 6) return linear<Q5K>(format, xr, n, k, w, m, out, ldo, bias, rb);
-  if (format == 9) return linear<IQ4>(format, xr, n, k, w, m, out, ldo, bias, rb);
-  if (format == 10) return linear<IQ4XS>(format, xr, n, k, w, m, out, ldo, bias, rb);
-  linear<Q4>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  auto run = [&](auto kind) {
+    linear<decltype(kind), kTile16>(format, xr, n, k, w, m, out, ldo, bias, rb);
+  };
+  if (format == 2) return run(Q8{});
+  if (format == 3 || format == 4) return run(Q5{});
+  if (format == 7) return run(Q6K{});
+  if (format == 5) return run(Q4K{});
+  if (format == 6) return run(Q5K{});
+  if (format == 9) return run(IQ4{});
+  if (format == 10) return run(IQ4XS{});
+  run(Q4{});
+}
+
+template <bool kTile16>
+void quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k, const uint8_t* w,
+                       int64_t m, float* out, const float* bias) {
+  QuantizedRows xr;
+  quantize_rows(x, n, k, xr);
+  if (format != 8) return linear_of<kTile16>(format, xr, n, k, w, m, out, m, bias);
+  // A stack of tiled parts (Q8_0 v rows beside Q5_0 q and k), as hr_quant_linear's.
+  for_each_part(w, [&](int64_t f, const uint8_t* weight, int64_t rows, int64_t r) {
+    linear_of<kTile16>(f, xr, n, k, weight, rows, out + r, m, bias ? bias + r : nullptr);
+  });
 }
 
 }  // namespace
@@ -1026,13 +1063,16 @@ void linear_of(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, co
 // k % 256 == 0).
 HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k,
                                     const uint8_t* w, int64_t m, float* out, const float* bias) {
-  QuantizedRows xr;
-  quantize_rows(x, n, k, xr);
-  if (format != 8) return linear_of(format, xr, n, k, w, m, out, m, bias);
-  // A stack of tiled parts (Q8_0 v rows beside Q5_0 q and k), as hr_quant_linear's.
-  for_each_part(w, [&](int64_t f, const uint8_t* weight, int64_t rows, int64_t r) {
-    linear_of(f, xr, n, k, weight, rows, out + r, m, bias ? bias + r : nullptr);
-  });
+  quant_linear_int8<false>(format, x, n, k, w, m, out, bias);
+}
+
+// hr_quant_linear_int8 through tile_dot's 16-lane form on every ISA: in the AVX2 build, the
+// same bits as its tile_dot_halves must give (tests/kernels/test_cpu_kquants.py), so an
+// AVX2-only machine checks them without an AVX-512 build to compare with.
+HR_EXPORT void hr_quant_linear_int8_tile16(int64_t format, const float* x, int64_t n,
+                                           int64_t k, const uint8_t* w, int64_t m, float* out,
+                                           const float* bias) {
+  quant_linear_int8<true>(format, x, n, k, w, m, out, bias);
 }
 
 // out[i, :] = W[rows[i], :] in fp32 for W in the tiled layout (rows == nullptr: all).
