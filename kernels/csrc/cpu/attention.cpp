@@ -172,6 +172,22 @@ inline void transpose16_i8(const int8_t* const* rows, const float* scales, int64
 #endif
 }
 
+#ifndef __AVX512F__
+// transpose16 of fp16 rows widened on the way (exactly): an fp16 chunk's K rows are never
+// widened into memory first (AVX2: a decode's few rows per chunk made the widening and its
+// reload as costly as the transpose).
+inline void transpose16_f16(const uint16_t* const* rows, int64_t c, float* kt) {
+  for (int r0 = 0; r0 < 16; r0 += 8)
+    for (int c0 = 0; c0 < 16; c0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i)
+        r[i] = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r0 + i] + c + c0)));
+      transpose8_regs(r, kt, c0, r0);
+    }
+}
+#endif
+
 // s[r] = sum over d of a[r][d] * b[d], one fused multiply-add per d in order: a[r] are NR
 // scalar streams, b vectors at b + 16 d. NR independent chains keep the FMA units busy.
 template <int NR>
@@ -250,6 +266,8 @@ struct Chunk {
   const float* v[kChunk];
   int64_t n;
   bool k_codes;  // int8 K left as codes (kq, ks) for transpose16_i8; k unset
+  bool k_halves;  // AVX2: fp16 K left in the cache (kh) for transpose16_f16; k unset
+  const uint16_t* kh[kChunk];
   const int8_t* kq[kChunk];
   float ks[kChunk];
 };
@@ -296,6 +314,7 @@ inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* tabl
   // table lookup per chunk, the keys' rows slot_bytes apart; else one per key.
   const bool whole = s.block_size % kChunk == 0;
   ch.k_codes = false;
+  ch.k_halves = false;
   auto offset_of = [&](int64_t base, int64_t t, int64_t i) {
     return whole ? base + i * slot_bytes : at(t + i);
   };
@@ -309,6 +328,9 @@ inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* tabl
     }
   } else {
     ch.k_codes = k_codes && s.kv_dtype == kKvI8;
+#ifndef __AVX512F__
+    ch.k_halves = k_codes && s.kv_dtype == kKvF16;
+#endif
     sc.kw.resize(kChunk * s.dim);
     sc.vw.resize(kChunk * s.dim);
     for (int64_t i = 0; i < ch.n; ++i) {
@@ -319,6 +341,8 @@ inline void chunk_rows(const uint8_t* kc, const uint8_t* vc, const int32_t* tabl
       if (ch.k_codes) {
         ch.kq[i] = reinterpret_cast<const int8_t*>(kc + offset);
         ch.ks[i] = kv_i8_scale(ch.kq[i], s.dim);
+      } else if (ch.k_halves) {
+        ch.kh[i] = reinterpret_cast<const uint16_t*>(kc + offset);
       } else {
         float* k = sc.kw.data() + i * s.dim;
         kv_widen(kc + offset, s.kv_dtype, s.dim, k);
@@ -402,6 +426,12 @@ void attend_rows(const Row* rows, int64_t n_rows, const Source& src, int64_t t_b
         ch.ks[i] = 0.0f;
       }
       for (int64_t d = 0; d < dim; d += 16) transpose16_i8(ch.kq, ch.ks, d, sc.kt.data() + 16 * d);
+#ifndef __AVX512F__
+    } else if (ch.k_halves) {
+      for (int64_t i = ch.n; i < kChunk; ++i)  // never past the context: +0.0 halves
+        ch.kh[i] = reinterpret_cast<const uint16_t*>(sc.zeros.data());
+      for (int64_t d = 0; d < dim; d += 16) transpose16_f16(ch.kh, d, sc.kt.data() + 16 * d);
+#endif
     } else {
       for (int64_t i = ch.n; i < kChunk; ++i) ch.k[i] = sc.zeros.data();  // never past the context
       for (int64_t d = 0; d < dim; d += 16) transpose16(ch.k, d, sc.kt.data() + 16 * d);
