@@ -85,9 +85,10 @@ class TokenizeStage:
             return field, self._chat_ids(inp.chat, inp.add_generation_prompt)
         return field, self._encode_fitting(field, inp.prompt)
 
-    def _encode_fitting(self, field: str, text: str) -> list[int]:
-        """Token ids of ``text``; FieldError at once, without tokenizing, when the text
-        is too long to leave room for output in the context whatever its tokens are."""
+    def _encode_fitting(self, field: str, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with the BOS the vocabulary asks for unless
+        ``add_special_tokens`` is false); FieldError at once, without tokenizing, when the
+        text is too long to leave room for output in the context whatever its tokens are."""
         tokenizer = self._require_tokenizer(field)
         at_least, limit = tokenizer.min_tokens(text), self._limits.max_model_len
         if at_least >= limit:
@@ -96,7 +97,9 @@ class TokenizeStage:
                 f"prompt of at least {at_least} tokens ({len(text)} characters) leaves no room "
                 f"for output within max_model_len {limit}",
             )
-        return tokenizer.encode_prompt(text)
+        if add_special_tokens:
+            return tokenizer.encode_prompt(text)
+        return tokenizer.encode(text)
 
     def _chat_ids(self, chat: tuple[ChatMessage, ...], add_generation_prompt: bool) -> list[int]:
         tokenizer = self._require_tokenizer("chat")
@@ -112,7 +115,8 @@ class TokenizeStage:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt)
         except (jinja2.TemplateError, ValueError) as exc:  # e.g. the template's own checks
             raise FieldError("chat", capped(str(exc), quote=False)) from exc
-        return self._encode_fitting("chat", text)
+        # The template writes any BOS itself: none is added (as transformers' tokenize=True).
+        return self._encode_fitting("chat", text, add_special_tokens=False)
 
     def _require_tokenizer(self, field: str) -> Tokenizer:
         if self._tokenizer is None:

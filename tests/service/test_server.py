@@ -147,6 +147,27 @@ def test_tokenize_and_model_info(served: RunningServer) -> None:
     assert info.kv_cache_capacity_tokens == 1024 * 16 and info.block_size == 16
 
 
+def test_a_chat_gets_the_templates_bos_only_and_a_raw_prompt_the_vocabularys(serve) -> None:
+    """A vocabulary that puts <bos> before raw text (SentencePiece GGUFs: Gemma, Llama 2,
+    Mistral) and a template that writes it: a chat starts with one <bos>, not two."""
+    from tests.support.fake_engine import FakeEngine
+    from tests.support.tiny_vocab import GEMMA_LIKE_TEMPLATE, WORDS, gemma_like
+
+    vocab = gemma_like(GEMMA_LIKE_TEMPLATE)
+    engine = FakeEngine(vocab, [WORDS.index("there")])
+    stub = serve(engine=engine).stub()
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])
+    ids = list(stub.Tokenize(pb.TokenizeRequest(chat=chat), timeout=TIMEOUT).token_ids)
+    want = vocab.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids == want and want[:2] == [WORDS.index("<bos>"), WORDS.index("<start_of_turn>")]
+    raw = stub.Tokenize(pb.TokenizeRequest(prompt="hi there"), timeout=TIMEOUT)
+    assert list(raw.tokens) == ["<bos>", "hi", "there"]
+    responses = _generate(
+        stub, pb.GenerateRequest(chat=chat, stopping=pb.StoppingCriteria(max_tokens=2))
+    )
+    assert responses[-1].complete.usage.prompt_tokens == len(want)
+
+
 # -- errors --------------------------------------------------------------------------------
 
 LONG_PROMPT = "word " * 3000  # > 2048 tokens
