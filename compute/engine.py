@@ -47,7 +47,7 @@ from compute.core.sequence import Sequence
 from compute.cuda_graphs import DecodeGraphs, capture_or_eager
 from compute.device.selection import building_threads, cpu_execution, resolve_device
 from compute.fault_isolation import launch_isolating
-from compute.loaders import LoadedModel, load_model
+from compute.loaders import LoadedModel, load_model, read_template_flag, with_chat_template
 from compute.memory_report import log_memory
 from compute.model import LlamaModel
 from compute.model_runner import (
@@ -114,6 +114,8 @@ class Engine:
         tokenizer, length limit, weights mode and KV dtype."""
         device, dtype = self.device, self.dtype
         native, weights = cpu_execution(config.device, device, dtype)
+        # An operator's template is checked before minutes of weight loading, applied after.
+        template = read_template_flag(config.chat_template) if config.chat_template else None
         if loaded is None:
             loaded = load_model(
                 config.model,
@@ -122,6 +124,8 @@ class Engine:
                 seed=config.seed,
                 quantized=weights != "dense",
             )
+        if template is not None:
+            loaded = with_chat_template(loaded, template)
         cfg = loaded.config
         self.model_config = cfg
         self.tokenizer = loaded.tokenizer

@@ -25,6 +25,8 @@ from tokenizers import Tokenizer as HFTokenizer
 # them as EOS, but a GGUF only stores one EOS id, so we recover them from the template.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
+_OWN_TOKENS = ("bos_token", "eos_token")  # a Tokenizer's own; the rest pass to templates
+
 _CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 _USER_DEFINED_TOKEN_TYPE = 4
 
@@ -229,6 +231,33 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def read_chat_template(path: str | Path) -> str:
+    """A chat template file's text, checked the way a chat request will use it: it must be
+    UTF-8, compile in the sandbox and render one user message. Raises ValueError naming the
+    file (an operator's ``--chat-template`` is refused at load, not at the first chat)."""
+    path = Path(path)
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"chat template {str(path)!r}: {exc}") from exc
+    if not source.strip():
+        raise ValueError(f"chat template {str(path)!r} is empty")
+    try:
+        template = _compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template {str(path)!r}, line {exc.lineno}: {exc.message}") from exc
+    try:
+        template.render(
+            messages=[{"role": "user", "content": "Hello"}],
+            add_generation_prompt=True,
+            bos_token="",
+            eos_token="",
+        )
+    except Exception as exc:  # the template's own raise_exception, undefined calls, ...
+        raise ValueError(f"chat template {str(path)!r} fails on one user message: {exc}") from exc
+    return source
+
+
 class Tokenizer:
     """A model's tokenizer and chat template."""
 
@@ -269,6 +298,19 @@ class Tokenizer:
         if self.chat_template and "tool" in self.chat_template:
             roles.add("tool")
         return frozenset(roles)
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This vocabulary with another chat template (an operator's ``--chat-template``):
+        the end-of-turn tokens it writes become stop tokens and the roles it names
+        allowed, as for a template the model file carries."""
+        specials = {k: v for k, v in self._template_tokens.items() if k not in _OWN_TOKENS}
+        return Tokenizer(
+            self.hf,
+            bos_token=self.bos_token or None,
+            eos_token=self.eos_token or None,
+            chat_template=chat_template,
+            special_tokens=specials,
+        )
 
     @classmethod
     def from_gguf(cls, reader_or_path: Any) -> Tokenizer:

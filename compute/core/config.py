@@ -369,6 +369,7 @@ class EngineConfig:
 
     model: str = "default"  # "default", a .gguf path, an HF directory, or "dummy:<shape>"
     seed: int = 0  # seed of the global generator (unseeded requests) and dummy weights
+    chat_template: str = ""  # a Jinja file replacing the model's chat template ("" = its own)
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     device: DeviceConfig = DeviceConfig()

@@ -11,9 +11,22 @@ from pathlib import Path
 
 import torch
 
-from compute.loaders.base import DUMMY_PREFIX, PICKLE_SUFFIXES, LoadedModel, ModelLoadError
+from compute.loaders.base import (
+    DUMMY_PREFIX,
+    PICKLE_SUFFIXES,
+    LoadedModel,
+    ModelLoadError,
+    read_template_flag,
+    with_chat_template,
+)
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model"]
+__all__ = [
+    "LoadedModel",
+    "ModelLoadError",
+    "load_model",
+    "read_template_flag",
+    "with_chat_template",
+]
 
 
 def load_model(

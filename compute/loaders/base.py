@@ -7,12 +7,13 @@ the file) for anything it cannot load.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from compute.core.config import ModelConfig
-from compute.tokenizer import Tokenizer
+from compute.tokenizer import Tokenizer, read_chat_template
 from kernels.quant import QuantizedWeight
 
 DUMMY_PREFIX = "dummy:"
@@ -33,6 +34,30 @@ class LoadedModel:
     weights: dict[str, torch.Tensor | QuantizedWeight]
     tokenizer: Tokenizer | None  # None for dummy weights
     source: str  # resolved path, or "dummy:<shape>"
+
+
+def read_template_flag(path: str) -> str:
+    """The text of ``--chat-template``'s file, checked (read_chat_template) before any weight
+    loads; ModelLoadError otherwise."""
+    try:
+        return read_chat_template(path)
+    except ValueError as exc:
+        raise ModelLoadError(f"--chat-template: {exc}") from exc
+
+
+def with_chat_template(loaded: LoadedModel, chat_template: str) -> LoadedModel:
+    """``loaded`` with ``chat_template`` in place of its own (``--chat-template``: a GGUF without
+    ``tokenizer.chat_template``, or a template to fix). The end-of-turn tokens the template
+    writes join the model's stop tokens. ModelLoadError for a model without a tokenizer."""
+    if loaded.tokenizer is None:
+        raise ModelLoadError(
+            f"--chat-template: {loaded.source} has no tokenizer to apply a chat template with"
+        )
+    tokenizer = loaded.tokenizer.with_chat_template(chat_template)
+    eos = loaded.config.eos_token_ids
+    eos += tuple(i for i in tokenizer.eos_token_ids if i not in eos)
+    config = dataclasses.replace(loaded.config, eos_token_ids=eos)
+    return dataclasses.replace(loaded, config=config, tokenizer=tokenizer)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

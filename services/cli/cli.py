@@ -64,7 +64,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         description=EXPORT_HELP,
     )
     export.add_argument("directory", metavar="DIR", help="created if missing")
-    add_flags(export, [f for f in FLAGS if f.option == "--model"], environ, classes)
+    add_flags(
+        export, [f for f in FLAGS if f.option in ("--model", "--chat-template")], environ, classes
+    )
     bench_flags.add_parser(commands, environ.get(ENV_PREFIX + "SERVER", DEFAULT_SERVER), environ)
     return parser
 
@@ -258,13 +260,16 @@ def _security(args: argparse.Namespace) -> client_security.ClientSecurity:
 
 
 def _export_tokenizer(args: argparse.Namespace) -> int:
-    from compute.loaders import load_model
+    from compute.loaders import load_model, read_template_flag, with_chat_template
     from services.worker.tokenizer_export import FILES, export_tokenizer
 
+    template = read_template_flag(args.chat_template) if args.chat_template else None
     loaded = load_model(args.model or "default", progress=False)
     if loaded.tokenizer is None:
         print(f"error: model {args.model!r} has no tokenizer", file=sys.stderr)
         return 2
+    if template is not None:
+        loaded = with_chat_template(loaded, template)
     max_len = loaded.config.max_position_embeddings
     out = export_tokenizer(loaded.tokenizer, args.directory, max_len)
     print(f"wrote {', '.join(FILES)} to {out}")

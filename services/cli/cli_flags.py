@@ -119,6 +119,10 @@ FLAGS: tuple[Flag, ...] = (
          "longest stop string (<= 256)", int),
     Flag("--model", "engine.model", '"default" (SmolLM2), a .gguf, an HF dir or "dummy:<shape>"'),
     Flag("--seed", "engine.seed", "seed of the global generator and of dummy weights", int),
+    Flag("--chat-template", "engine.chat_template",
+         "a Jinja chat template file used instead of the model's own (a GGUF that carries "
+         "none, or one to fix); checked at load, exported to gateways with the tokenizer "
+         "(empty = the model's own)"),
     Flag("--device", "device.device", "auto, cpu, cuda or cuda:N"),
     Flag("--dtype", "device.dtype", "precision",
          choices=("auto", "float32", "float16", "bfloat16")),
@@ -194,9 +198,9 @@ FLAGS: tuple[Flag, ...] = (
          "needs headrace[tracing])"),
 )  # fmt: skip
 # The subset that `generate --offline` uses to build its in-process engine.
-OFFLINE_FLAGS = ("--model", "--device", "--dtype", "--threads", "--cpu-kernels", "--weights",
-                 "--num-blocks", "--kv-cache-memory-gib", "--kv-cache-dtype",
-                 "--max-model-len")  # fmt: skip
+OFFLINE_FLAGS = ("--model", "--chat-template", "--device", "--dtype", "--threads",
+                 "--cpu-kernels", "--weights", "--num-blocks", "--kv-cache-memory-gib",
+                 "--kv-cache-dtype", "--max-model-len")  # fmt: skip
 
 
 def sections() -> dict[str, type]:

@@ -27,7 +27,7 @@ Every `headrace serve` flag has a `HEADRACE_*` environment twin (flag > environm
 default); `headrace serve --help` lists them with their defaults. Pass flags through make
 as `make serve ARGS="--max-num-seqs 32"`. `headrace generate --offline` (no server, the
 engine in-process) takes only {offline}; `headrace export-tokenizer`
-takes `--model`. The options of the bundled client commands (`--server`, `--tls-ca`, ...) are in
+takes `--model` and `--chat-template`. The options of the bundled client commands (`--server`, `--tls-ca`, ...) are in
 [security.md](security.md#clients).
 """
 
@@ -69,6 +69,15 @@ naming the field ([api.md](api.md#request-limits)). `--max-request-bytes` covers
     "engine": """\
 `--model default` is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF); an HF checkpoint is a
 directory of safetensors. `--seed` also seeds unseeded sampling.
+
+`--chat-template FILE` replaces the model's chat template with a Jinja file, rendered as
+transformers renders one (`messages`, `add_generation_prompt`, `bos_token`, `eos_token`).
+Use it for a file that carries none (the Gemma 3 270M GGUF: a chat otherwise gets
+INVALID_ARGUMENT "chat: this model has no chat template") or to fix one. The end-of-turn
+tokens it writes (`<end_of_turn>`, `<|im_end|>`, `<|eot_id|>`, ...) become stop tokens, the
+roles it names are accepted, and gateways get it in the exported tokenizer. A file that is
+missing, not UTF-8, does not compile or fails on one user message stops start-up with a
+message that names it.
 """,
     "device": """\
 - `--device auto` is CUDA when available; `--device cuda` needs CuPy (`make setup-gpu`).

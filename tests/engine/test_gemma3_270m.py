@@ -1,7 +1,8 @@
 """The real Gemma 3 270M, Q4_K_M GGUF (`make gemma3-270m`; skipped without it): greedy tokens
 equal transformers loading the very same file (it dequantizes the GGUF to fp32), on prompts
 short and longer than the 512-token sliding window, batched and in prefill chunks; its
-SentencePiece tokenizer gives transformers' ids, chat template included.
+SentencePiece tokenizer gives transformers' ids, and with --chat-template (the file carries
+no template) so do its chats.
 
 Served with --weights quantized: the Q4_K / Q6_K blocks on the CPU kernels, weights
 bit-identical to the dequantized ones, fp32 math.
@@ -18,7 +19,6 @@ import torch
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
-from compute.tokenizer import Tokenizer
 from tests.engine.test_model_families import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -48,18 +48,9 @@ TEXTS = [
     "<start_of_turn>user\nHi<end_of_turn>",
     "a    b",
 ]
-# Gemma 3's chat template (string contents): the file itself carries none.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
-    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = '' -%}"
-    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
-    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}"
-    "{%- set role = message['role'] -%}{%- endif -%}"
-    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
-    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
-)
+# Gemma 3's turn format, shipped for this file (it carries no chat template) and served
+# with --chat-template.
+CHAT_TEMPLATE_FILE = Path(__file__).parents[2] / "docs/chat-templates/gemma3.jinja"
 CHAT = [
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "What is 2 + 2?"},
@@ -91,6 +82,7 @@ def engine(reference) -> Engine:
             # prefill chunks of 256 tokens: the long prompt is chunked across its window
             scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
             device=DeviceConfig(device="cpu", weights="quantized"),
+            chat_template=str(CHAT_TEMPLATE_FILE),
         )
     )
 
@@ -110,14 +102,18 @@ def test_tokenizer_gives_transformers_ids(engine: Engine, reference) -> None:
         assert ours.encode(text, add_special_tokens=True) == theirs.encode(text), text
         ids = ours.encode(text)
         assert ours.decode(ids) == theirs.decode(ids), text
-    chat = Tokenizer(
-        ours.hf, bos_token=ours.bos_token, eos_token=ours.eos_token, chat_template=CHAT_TEMPLATE
-    )
     want = theirs.apply_chat_template(
-        CHAT, chat_template=CHAT_TEMPLATE, add_generation_prompt=True, tokenize=True
+        CHAT,
+        chat_template=CHAT_TEMPLATE_FILE.read_text("utf-8"),
+        add_generation_prompt=True,
+        tokenize=True,
     )
     want = want["input_ids"] if hasattr(want, "keys") else want
-    assert chat.encode_chat(CHAT) == list(want)
+    assert ours.encode_chat(CHAT) == list(want)
+    # The template's end of turn stops generation, beside the file's own <eos>.
+    end_of_turn = theirs.convert_tokens_to_ids("<end_of_turn>")
+    assert ours.eos_token_ids == (theirs.eos_token_id, end_of_turn)
+    assert end_of_turn in engine.model_config.eos_token_ids
 
 
 def test_greedy_equals_transformers(engine: Engine, reference) -> None:
