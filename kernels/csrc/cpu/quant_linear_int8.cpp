@@ -62,7 +62,8 @@
 // rows by the same 4 activation bytes (broadcast), so 8 of them leave a block's whole dot
 // product for 16 rows in 16 int32 lanes, with no horizontal reduction; the scaling is one
 // multiply and two multiply-adds per block for 16 rows. A weight block is unpacked once for
-// up to kRows input rows (a GEMM register tile of 16 outputs x kRows rows).
+// up to kRows input rows (a GEMM register tile of 16 outputs x kRows rows with AVX-512; on
+// AVX2, tile_dot_halves: passes of 8 outputs over kRows = 4 rows).
 //
 // One order of sums for any number of input rows (a row's result does not depend on the
 // rows batched beside it) and on every ISA (the integer sums are exact, the float
@@ -100,7 +101,7 @@ constexpr int64_t kXTile = 64;    // input rows a thread runs its tiles over (~3
 // 8 KB and 48 KB were slower than 16 KB.
 constexpr int64_t kAhead = 12288;
 
-// Rows of activations the quantized codes interleave (AVX2's tile_dot_half reads 8 rows'
+// Rows of activations the quantized codes interleave (AVX2's tile_dot_halves reads 8 rows'
 // codes of a block at constant offsets from one pointer; tile_dot one row's 32 codes).
 #ifdef __AVX512F__
 constexpr int64_t kGroupRows = 1;
