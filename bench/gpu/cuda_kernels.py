@@ -19,6 +19,11 @@ Llama-8B-like one (32/8, dim 128), block size 16, fp16, scattered block tables:
   (H100 SXM 3.35 TB/s, H200 4.8 TB/s; see PEAK_BANDWIDTH) and is recorded.
 - Baseline, same run: torch SDPA (enable_gqa) after gathering K/V through the
   block tables; timed as gather + SDPA and as SDPA alone on gathered K/V.
+- Each decode kernel (--variants, kernels/cuda/launch.py DECODE_VARIANTS: the two-pass
+  kernel the engine uses and the one-pass one) on the same case, alternated call by call
+  under the same flush: `kernel` is the engine's, `variants` has each with its max
+  difference from it. The JSON is rewritten after every case, so a run killed at its
+  time limit keeps the cases done.
 
 Run by hand on a GPU machine (exits with a message elsewhere):
 
@@ -73,6 +78,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=50, help="timed calls per measurement")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--no-baseline", action="store_true", help="skip torch SDPA")
+    parser.add_argument(
+        "--variants", nargs="+", default=list(cuda.DECODE_VARIANTS), choices=cuda.DECODE_VARIANTS,
+        help="decode kernels to time on every case (the first is reported as `kernel`)",
+    )  # fmt: skip
     parser.add_argument("--no-png", action="store_true")
     return parser.parse_args()
 
@@ -174,10 +183,48 @@ def bandwidth(nbytes: int, micros: float, peak: float | None) -> dict:
     return {"us": round(micros, 2), "gb_per_s": round(rate / 1e9, 1), "percent_of_peak": percent}
 
 
+def with_variant(variant: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """fn run with kernels/cuda/launch.py's decode kernel set to `variant`."""
+
+    def run() -> torch.Tensor:
+        before, cuda.decode_variant = cuda.decode_variant, variant
+        try:
+            return fn()
+        finally:
+            cuda.decode_variant = before
+
+    return run
+
+
+def time_variants(
+    calls: dict[str, Callable[[], object]], iters: int, warmup: int, flush: torch.Tensor
+) -> dict[str, float]:
+    """Median µs of each call, the calls alternated (A B A B) so that clock and thermal
+    drift fall on all of them alike; each behind an L2-evicting memset, as time_gpu."""
+    for _ in range(warmup):
+        for fn in calls.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(iters):
+        for name, fn in calls.items():
+            flush.zero_()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def run_case(name, shape, batch, context, args, flush, peak) -> dict:
     case = make_case(shape, batch, context)
     scale = 1.0 / math.sqrt(shape[2])
-    ours = lambda: cuda.paged_attention(**case, scale=scale)  # noqa: E731
+    calls = {
+        v: with_variant(v, lambda: cuda.paged_attention(**case, scale=scale)) for v in args.variants
+    }
+    ours = calls[args.variants[0]]
     nbytes = bytes_moved(shape, batch, context)
     result = {"shape": name, "batch": batch, "context": context, "bytes": nbytes}
     plan = attention_plan.build_plan(
@@ -185,7 +232,19 @@ def run_case(name, shape, batch, context, args, flush, peak) -> dict:
     )
     result["decode_partition_size"] = plan.decode_partition_size  # chosen for this batch
     result["decode_partitions"] = plan.decode_partitions
-    result["kernel"] = bandwidth(nbytes, time_gpu(ours, args.iters, args.warmup, flush), peak)
+    micros = time_variants(calls, args.iters, args.warmup, flush)
+    reference = ours().float()
+    result["variants"] = {
+        v: {
+            **bandwidth(nbytes, micros[v], peak),
+            "max_abs_diff_vs_first": (calls[v]().float() - reference).abs().max().item(),
+        }
+        for v in args.variants
+    }
+    result["kernel"] = {
+        "variant": args.variants[0],
+        **bandwidth(nbytes, micros[args.variants[0]], peak),
+    }
     result["kernel"]["call_us"] = round(time_wall(ours, args.iters), 2)
     if not args.no_baseline:
         result.update(run_baseline(case, shape, context, args, flush, peak, nbytes, ours()))
@@ -218,14 +277,20 @@ def run_baseline(case, shape, context, args, flush, peak, nbytes, ours) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'shape':14} {'batch':>5} {'ctx':>5} {'kernel us':>10} {'% peak':>7} {'call us':>8} "
-          f"{'sdpa+gather':>11} {'sdpa':>8} {'% peak':>7}")  # fmt: skip
+    variants = list(results[0]["variants"]) if results else []
+    print(f"{'shape':14} {'batch':>5} {'ctx':>5} "
+          + "".join(f"{v + ' us':>13} {'% peak':>7} " for v in variants)
+          + f"{'call us':>8} {'sdpa+gather':>11} {'sdpa':>8} {'% peak':>7}")  # fmt: skip
     for r in results:
         k, g, s = r["kernel"], r.get("sdpa_with_gather", {}), r.get("sdpa_alone", {})
+        kernels = "".join(
+            f"{r['variants'][v]['us']:>13} {r['variants'][v]['percent_of_peak']!s:>7} "
+            for v in variants
+        )
         print(
-            f"{r['shape']:14} {r['batch']:>5} {r['context']:>5} {k['us']:>10} "
-            f"{k['percent_of_peak']!s:>7} {k['call_us']:>8} {g.get('us', '-')!s:>11} "
-            f"{s.get('us', '-')!s:>8} {s.get('percent_of_peak', '-')!s:>7}"
+            f"{r['shape']:14} {r['batch']:>5} {r['context']:>5} {kernels}{k['call_us']:>8} "
+            f"{g.get('us', '-')!s:>11} {s.get('us', '-')!s:>8} "
+            f"{s.get('percent_of_peak', '-')!s:>7}"
         )
 
 
@@ -237,8 +302,10 @@ def write_png(results: list[dict], stamp: str, gpu: str) -> Path:
     for ax, shape in zip(axes, shapes, strict=True):
         for context in sorted({r["context"] for r in results}):
             rows = [r for r in results if r["shape"] == shape and r["context"] == context]
-            gbps = [r["kernel"]["gb_per_s"] for r in rows]
-            ax.plot([r["batch"] for r in rows], gbps, marker="o", label=f"ctx {context}")
+            for variant, style in zip(rows[0]["variants"], ("-", "--"), strict=False):
+                gbps = [r["variants"][variant]["gb_per_s"] for r in rows]
+                label = f"ctx {context}, {variant}"
+                ax.plot([r["batch"] for r in rows], gbps, style, marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch")
         ax.set_ylabel("GB/s (K+V+q+out)")
@@ -260,16 +327,16 @@ def main() -> None:
     peak = facts["peak_bandwidth_bytes_per_s"]
     flush = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     results = []
+    stamp = timestamp()
+    settings = {**vars(args), "block_size": BLOCK_SIZE, "dtype": str(DTYPE)}
     for name in args.shapes:
         for context in args.contexts:
             for batch in args.batches:
                 results.append(run_case(name, SHAPES[name], batch, context, args, flush, peak))
                 torch.cuda.empty_cache()
+                payload = {"gpu": facts, "cases_done": len(results), "results": results}
+                path = write_result(f"kernels-{_slug(facts['gpu'])}", payload, stamp, settings)
     print_table(results)
-    stamp = timestamp()
-    settings = {**vars(args), "block_size": BLOCK_SIZE, "dtype": str(DTYPE)}
-    payload = {"gpu": facts, "results": results}
-    path = write_result(f"kernels-{_slug(facts['gpu'])}", payload, stamp, settings)
     print(f"wrote {path}")
     if not args.no_png:
         print(f"wrote {write_png(results, stamp, facts['gpu'])}")

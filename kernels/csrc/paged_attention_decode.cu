@@ -123,8 +123,8 @@ __device__ __forceinline__ float reduce_scatter_sum(float (&v)[N], int lane, int
   return sum;
 }
 
-template <typename T, int D, int B>
-__device__ __forceinline__ void load_queries(DecodeSmem<D>& sm, const DecodeWork& w,
+template <typename T, int D, int B, typename Smem>
+__device__ __forceinline__ void load_queries(Smem& sm, const DecodeWork& w,
                                              const T* __restrict__ query, int num_heads,
                                              float scale_log2) {
   using S = DecodeShape<T, D, B>;
@@ -359,6 +359,250 @@ __device__ __forceinline__ void decode_partition(
   store_output<T, D, B>(sm, w, acc, out, ws_out, ws_max, ws_sum, num_heads, max_partitions);
 }
 
+// ---------------------------------------------------------------------------------------
+// Kernel 1b, paged_attention_decode_onepass_<dtype>_d<D>_b<B>_g<G>: kernel 1's work, grid,
+// arguments and outputs (the same workspace format for kernel 2), in one pass over the keys.
+// Each warp keeps a running max, sum and output per query head (online softmax, base 2)
+// over the cache blocks it takes, reading a block's K and V rows together, and loads the
+// next item's K and V (and its block's table entry) before computing the current one, so
+// twice kernel 1's bytes are in flight per warp and no barrier separates K from V. The
+// warps' partial results are merged once at the end. G (4 or 8) is the most query heads a
+// thread block serves (the launcher picks 4 for groups of up to 4): it sizes the
+// accumulators, so small groups keep fewer registers. No logits buffer, so no partition
+// size limit either. Scores are kernel 1's to the bit; the softmax rounds differently.
+
+// Thread blocks per SM the one-pass kernel is built for (caps its registers: 170 and 256 a
+// thread). G = 4 needs ~168 registers, G = 8 ~222; without the cap ptxas may pick fewer and
+// spill.
+constexpr int onepass_min_blocks(int G) { return G <= 4 ? 3 : 2; }
+
+template <int D>
+struct OnePassSmem {
+  float4 q[kMaxGroup][(D + D / 2) / 4];  // scaled queries, as kernel 1 (kQStride4)
+  float part_max[kDecodeWarps][kMaxGroup];
+  float part_sum[kDecodeWarps][kMaxGroup];
+  float part_out[kDecodeWarps][kMaxGroup][D];
+};
+
+// One warp item: kKeysPerLane keys' K and V rows (16 bytes of each per lane), as loaded.
+struct KvRaw {
+  uint4 k[kKeysPerLane];
+  uint4 v[kKeysPerLane];
+};
+
+__device__ __forceinline__ void unpack16(const uint4& raw, __half, float* out) {
+  unpack2(raw.x, __half(), out + 0);
+  unpack2(raw.y, __half(), out + 2);
+  unpack2(raw.z, __half(), out + 4);
+  unpack2(raw.w, __half(), out + 6);
+}
+__device__ __forceinline__ void unpack16(const uint4& raw, __nv_bfloat16, float* out) {
+  unpack2(raw.x, __nv_bfloat16(), out + 0);
+  unpack2(raw.y, __nv_bfloat16(), out + 2);
+  unpack2(raw.z, __nv_bfloat16(), out + 4);
+  unpack2(raw.w, __nv_bfloat16(), out + 6);
+}
+
+// Loads item `item` of this warp: block first + warp + (item / iters) * kDecodeWarps, keys
+// from (item % iters) * kKeysPerIter; slots outside [tok_begin, tok_end) read as zeros.
+template <typename T, int D, int B>
+__device__ __forceinline__ void load_item(KvRaw& raw, int item, const DecodeWork& w,
+                                          const T* __restrict__ key_cache,
+                                          const T* __restrict__ value_cache,
+                                          const int* __restrict__ table, i64 token_stride,
+                                          i64 lane_offset, int warp, int key_in_row) {
+  using S = DecodeShape<T, D, B>;
+  constexpr int kIters = B / S::kKeysPerIter;
+  const int blk = w.tok_begin / B + warp + (item / kIters) * kDecodeWarps;
+  const int it = (item % kIters) * S::kKeysPerIter;
+  const i64 base = static_cast<i64>(table[blk]) * B * token_stride + lane_offset;
+#pragma unroll
+  for (int j = 0; j < kKeysPerLane; ++j) {
+    const int slot = it + j * S::kKeysPerRow + key_in_row;
+    const int pos = blk * B + slot;
+    const i64 at = base + slot * token_stride;
+    const bool valid = pos >= w.tok_begin && pos < w.tok_end;
+    raw.k[j] = valid ? *reinterpret_cast<const uint4*>(key_cache + at) : make_uint4(0, 0, 0, 0);
+    raw.v[j] = valid ? *reinterpret_cast<const uint4*>(value_cache + at) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <typename T, int D, int B, int G>
+__device__ __forceinline__ void decode_partition_onepass(
+    T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_max,
+    float* __restrict__ ws_sum, const T* __restrict__ query, const T* __restrict__ key_cache,
+    const T* __restrict__ value_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ context_lens, const int* __restrict__ query_start_loc,
+    float scale_log2, float softcap_log2, int window, int num_kv_heads, int group_size,
+    int table_width, int max_partitions, int partition_size) {
+  using S = DecodeShape<T, D, B>;
+  static_assert(kKeysPerLane == 4, "score gather assumes reduce_scatter_sum over 4 keys");
+  static_assert(S::kVec == 8, "16-bit K/V only");
+  constexpr int kIters = B / S::kKeysPerIter;
+  __shared__ OnePassSmem<D> sm;
+  DecodeWork w;
+  if (!decode_work(w, context_lens, query_start_loc, group_size, partition_size, window)) return;
+  const int num_heads = num_kv_heads * group_size;
+  if (w.ctx == 0) {
+    T* row = out + static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D;
+    for (int i = threadIdx.x; i < w.heads * D; i += kDecodeThreads) row[i] = from_float<T>(0.0f);
+    return;
+  }
+  const int* table = block_tables + static_cast<i64>(w.seq) * table_width;
+  load_queries<T, D, B>(sm, w, query, num_heads, scale_log2);
+  __syncthreads();
+
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int key_in_row = lane / S::kLanesPerKey, chunk = lane % S::kLanesPerKey;
+  const i64 token_stride = static_cast<i64>(num_kv_heads) * D;
+  const i64 lane_offset = static_cast<i64>(w.kv_head) * D + chunk * S::kVec;
+  const int first = w.tok_begin / B + warp, last = (w.tok_end - 1) / B;
+  const int items = first <= last ? ((last - first) / kDecodeWarps + 1) * kIters : 0;
+  // The lane holding key j's full score after reduce_scatter_sum, in this lane's key row.
+  int holder[kKeysPerLane];
+#pragma unroll
+  for (int j = 0; j < kKeysPerLane; ++j) {
+    holder[j] = key_in_row * S::kLanesPerKey + (j >> 1) * (S::kLanesPerKey / 2) +
+                (j & 1) * (S::kLanesPerKey / 4);
+  }
+
+  float m[G], l[G], acc[G][S::kVec];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = neg_inf();
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < S::kVec; ++e) acc[g][e] = 0.0f;
+  }
+  KvRaw cur;
+  if (items > 0) {
+    load_item<T, D, B>(cur, 0, w, key_cache, value_cache, table, token_stride, lane_offset,
+                       warp, key_in_row);
+  }
+  for (int item = 0; item < items; ++item) {
+    KvRaw next;
+    if (item + 1 < items) {
+      load_item<T, D, B>(next, item + 1, w, key_cache, value_cache, table, token_stride,
+                         lane_offset, warp, key_in_row);
+    }
+    const int blk = first + (item / kIters) * kDecodeWarps;
+    const int key0 = blk * B + (item % kIters) * S::kKeysPerIter + key_in_row;
+    float k[kKeysPerLane][S::kVec], v[kKeysPerLane][S::kVec];
+    bool valid[kKeysPerLane];
+#pragma unroll
+    for (int j = 0; j < kKeysPerLane; ++j) {
+      unpack16(cur.k[j], T(), k[j]);
+      unpack16(cur.v[j], T(), v[j]);
+      const int pos = key0 + j * S::kKeysPerRow;
+      valid[j] = pos >= w.tok_begin && pos < w.tok_end;
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g >= w.heads) break;
+      float q[S::kVec];
+#pragma unroll
+      for (int j = 0; j < S::kVec / 4; ++j) {
+        const float4 q4 = sm.q[g][chunk * S::kQStride4 + j];
+        q[4 * j] = q4.x;
+        q[4 * j + 1] = q4.y;
+        q[4 * j + 2] = q4.z;
+        q[4 * j + 3] = q4.w;
+      }
+      float dots[kKeysPerLane];
+#pragma unroll
+      for (int j = 0; j < kKeysPerLane; ++j) {
+        dots[j] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < S::kVec; ++e) dots[j] = fmaf(q[e], k[j][e], dots[j]);
+      }
+      int which;
+      const float mine = soft_cap(
+          reduce_scatter_sum<kKeysPerLane, S::kLanesPerKey>(dots, lane, which), softcap_log2);
+      float s[kKeysPerLane];
+      float top = neg_inf();
+#pragma unroll
+      for (int j = 0; j < kKeysPerLane; ++j) {
+        s[j] = __shfl_sync(kFullMask, mine, holder[j]);
+        s[j] = valid[j] ? s[j] : neg_inf();
+        top = fmaxf(top, s[j]);
+      }
+#pragma unroll
+      for (int mask = S::kLanesPerKey; mask < kWarpSize; mask *= 2) {
+        top = fmaxf(top, __shfl_xor_sync(kFullMask, top, mask));
+      }
+      const float m_new = fmaxf(m[g], top);
+      if (m_new == neg_inf()) continue;  // no visible key yet (warp-uniform)
+      const float alpha = exp2f(m[g] - m_new);
+      float p[kKeysPerLane], sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kKeysPerLane; ++j) {
+        p[j] = exp2f(s[j] - m_new);
+        sum += p[j];
+      }
+      l[g] = fmaf(l[g], alpha, sum);
+#pragma unroll
+      for (int e = 0; e < S::kVec; ++e) {
+        float a = acc[g][e] * alpha;
+#pragma unroll
+        for (int j = 0; j < kKeysPerLane; ++j) a = fmaf(p[j], v[j][e], a);
+        acc[g][e] = a;
+      }
+      m[g] = m_new;
+    }
+    cur = next;
+  }
+  // This warp's totals: lanes of one key row hold that row's keys only.
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int mask = S::kLanesPerKey; mask < kWarpSize; mask *= 2) {
+      l[g] += __shfl_xor_sync(kFullMask, l[g], mask);
+#pragma unroll
+      for (int e = 0; e < S::kVec; ++e) acc[g][e] += __shfl_xor_sync(kFullMask, acc[g][e], mask);
+    }
+  }
+  if (lane < S::kLanesPerKey) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g >= w.heads) break;
+      if (lane == 0) {
+        sm.part_max[warp][g] = m[g];
+        sm.part_sum[warp][g] = l[g];
+      }
+#pragma unroll
+      for (int e = 0; e < S::kVec; ++e) sm.part_out[warp][g][lane * S::kVec + e] = acc[g][e];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < w.heads * D; i += kDecodeThreads) {
+    const int g = i / D, d = i % D;
+    float top = neg_inf();
+#pragma unroll
+    for (int k = 0; k < kDecodeWarps; ++k) top = fmaxf(top, sm.part_max[k][g]);
+    float total = 0.0f, o = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kDecodeWarps; ++k) {
+      // A warp that saw no visible key has max -inf, sum 0 and output 0: weight 0.
+      const float weight = sm.part_max[k][g] == neg_inf() ? 0.0f : exp2f(sm.part_max[k][g] - top);
+      total = fmaf(sm.part_sum[k][g], weight, total);
+      o = fmaf(sm.part_out[k][g][d], weight, o);
+    }
+    o /= total;
+    if (w.parts == 1) {
+      out[static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D + i] =
+          from_float<T>(o);
+    } else {
+      const i64 slot =
+          (static_cast<i64>(w.seq) * num_heads + w.head0 + g) * max_partitions + w.part;
+      ws_out[slot * D + d] = o;
+      if (d == 0) {
+        ws_max[slot] = top;
+        ws_sum[slot] = total;
+      }
+    }
+  }
+}
+
 template <typename T, int D>
 __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
                                               const float* __restrict__ ws_out,
@@ -411,6 +655,22 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
                                   max_partitions, partition_size);                              \
   }
 
+#define HR_DEFINE_DECODE_ONEPASS(SUFFIX, T, D, B, G)                                           \
+  extern "C" __global__ void __launch_bounds__(hr::kDecodeThreads, hr::onepass_min_blocks(G))   \
+      paged_attention_decode_onepass_##SUFFIX##_d##D##_b##B##_g##G(                             \
+          T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_max,          \
+          float* __restrict__ ws_sum, const T* __restrict__ query,                              \
+          const T* __restrict__ key_cache, const T* __restrict__ value_cache,                   \
+          const int* __restrict__ block_tables, const int* __restrict__ context_lens,           \
+          const int* __restrict__ query_start_loc, float scale_log2, float softcap_log2,        \
+          int window, int num_kv_heads, int group_size, int table_width, int max_partitions,     \
+          int partition_size) {                                                                 \
+    hr::decode_partition_onepass<T, D, B, G>(                                                   \
+        out, ws_out, ws_max, ws_sum, query, key_cache, value_cache, block_tables, context_lens, \
+        query_start_loc, scale_log2, softcap_log2, window, num_kv_heads, group_size,            \
+        table_width, max_partitions, partition_size);                                           \
+  }
+
 #define HR_DEFINE_DECODE_REDUCE(SUFFIX, T, D)                                                   \
   extern "C" __global__ void __launch_bounds__(D) paged_attention_decode_reduce_##SUFFIX##_d##D( \
       T* __restrict__ out, const float* __restrict__ ws_out, const float* __restrict__ ws_max,  \
@@ -421,12 +681,20 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
                             num_heads, max_partitions, partition_size);                         \
   }
 
-#define HR_DEFINE_DECODE_DTYPE(SUFFIX, T)   \
-  HR_DEFINE_DECODE(SUFFIX, T, 64, 16)       \
-  HR_DEFINE_DECODE(SUFFIX, T, 64, 32)       \
-  HR_DEFINE_DECODE(SUFFIX, T, 128, 16)      \
-  HR_DEFINE_DECODE(SUFFIX, T, 128, 32)      \
-  HR_DEFINE_DECODE_REDUCE(SUFFIX, T, 64)    \
+#define HR_DEFINE_DECODE_ONEPASS_G(SUFFIX, T, D, B) \
+  HR_DEFINE_DECODE_ONEPASS(SUFFIX, T, D, B, 4)       \
+  HR_DEFINE_DECODE_ONEPASS(SUFFIX, T, D, B, 8)
+
+#define HR_DEFINE_DECODE_DTYPE(SUFFIX, T)        \
+  HR_DEFINE_DECODE(SUFFIX, T, 64, 16)            \
+  HR_DEFINE_DECODE(SUFFIX, T, 64, 32)            \
+  HR_DEFINE_DECODE(SUFFIX, T, 128, 16)           \
+  HR_DEFINE_DECODE(SUFFIX, T, 128, 32)           \
+  HR_DEFINE_DECODE_ONEPASS_G(SUFFIX, T, 64, 16)  \
+  HR_DEFINE_DECODE_ONEPASS_G(SUFFIX, T, 64, 32)  \
+  HR_DEFINE_DECODE_ONEPASS_G(SUFFIX, T, 128, 16) \
+  HR_DEFINE_DECODE_ONEPASS_G(SUFFIX, T, 128, 32) \
+  HR_DEFINE_DECODE_REDUCE(SUFFIX, T, 64)         \
   HR_DEFINE_DECODE_REDUCE(SUFFIX, T, 128)
 
 HR_DEFINE_DECODE_DTYPE(f16, __half)

@@ -61,6 +61,16 @@ PREFILL_THREADS = 128
 
 _kernels: dict[tuple[str, int, tuple[str, ...], str], Any] = {}
 
+# The decode kernel of paged_attention_decode.cu: "two-pass" (kernel 1: scores, softmax and
+# values in barrier-separated phases) or "one-pass" (kernel 1b: online softmax, K and V read
+# together, the next item prefetched). The same arguments, workspaces and merge kernel; the
+# outputs differ by rounding. Neither has run on a GPU yet: bench/gpu/cuda_kernels.py times
+# both in one run so the first GPU session can keep the faster. A process-wide setting
+# (benchmarks and tests set it), fixed before any CUDA graph is captured.
+DECODE_VARIANTS = ("two-pass", "one-pass")
+decode_variant = "two-pass"
+ONEPASS_GROUPS = (4, 8)  # the one-pass kernel's query-head capacities (its G)
+
 
 def is_available() -> bool:
     """True when a CUDA device and CuPy are both present."""
@@ -103,8 +113,18 @@ def _require_gpu(t: Tensor, name: str) -> None:
         raise ValueError(f"{name} must be a CUDA tensor, got {where}")
 
 
-def decode_kernel_name(dtype_suffix: str, head_dim: int, block_size: int) -> str:
-    return f"paged_attention_decode_{dtype_suffix}_d{head_dim}_b{block_size}"
+def decode_kernel_name(
+    dtype_suffix: str, head_dim: int, block_size: int, group: int = 8, variant: str | None = None
+) -> str:
+    """The decode kernel for these sizes; the one-pass kernel's G is the smallest of
+    ONEPASS_GROUPS that holds the group (thread blocks serve at most 8 of its heads)."""
+    variant = variant or decode_variant
+    if variant == "two-pass":
+        return f"paged_attention_decode_{dtype_suffix}_d{head_dim}_b{block_size}"
+    if variant != "one-pass":
+        raise ValueError(f"decode variant must be one of {DECODE_VARIANTS}, got {variant!r}")
+    capacity = next(g for g in ONEPASS_GROUPS if min(group, 8) <= g)
+    return f"paged_attention_decode_onepass_{dtype_suffix}_d{head_dim}_b{block_size}_g{capacity}"
 
 
 def reduce_kernel_name(dtype_suffix: str, head_dim: int) -> str:
@@ -124,7 +144,10 @@ def kernel_names() -> dict[str, list[str]]:
     }
     for t in ATTENTION_DTYPES.values():
         for d in HEAD_DIMS:
-            names["paged_attention_decode.cu"] += [decode_kernel_name(t, d, b) for b in BLOCK_SIZES]
+            for b in BLOCK_SIZES:
+                names["paged_attention_decode.cu"] += dict.fromkeys(
+                    decode_kernel_name(t, d, b, g, v) for v in DECODE_VARIANTS for g in (4, 8)
+                )
             names["paged_attention_decode.cu"].append(reduce_kernel_name(t, d))
             names["paged_attention_prefill.cu"].append(prefill_kernel_name(t, d))
     return names
@@ -314,7 +337,7 @@ def _launch_decode(out, query, key_cache, value_cache, meta, scores, p: Attentio
         ws_max = torch.empty(ws_shape, dtype=torch.float32, device=query.device)
         ws_sum = torch.empty(ws_shape, dtype=torch.float32, device=query.device)
     tables = (meta.block_tables, meta.context_lens, meta.query_start_loc)
-    name = decode_kernel_name(p.dtype_suffix, p.head_dim, p.block_size)
+    name = decode_kernel_name(p.dtype_suffix, p.head_dim, p.block_size, p.group)
     grid = (p.num_kv_heads * p.group_chunks, meta.num_seqs, parts)
     args = (
         *map(_ptr, (out, ws_out, ws_max, ws_sum, query, key_cache, value_cache, *tables)),
@@ -353,9 +376,10 @@ def _launch_prefill(out, query, key_cache, value_cache, meta, scores, p: Attenti
 def kernels_for(dtype: torch.dtype, head_dim: int, block_size: int) -> list[tuple[str, str]]:
     """(file, kernel) of every launch a model of these sizes can make."""
     suffix = ATTENTION_DTYPES[dtype]
+    decode = {decode_kernel_name(suffix, head_dim, block_size, g) for g in ONEPASS_GROUPS}
     return [
         *(("reshape_and_cache.cu", f"reshape_and_cache_{w}") for _, w in COPY_WORDS),
-        ("paged_attention_decode.cu", decode_kernel_name(suffix, head_dim, block_size)),
+        *(("paged_attention_decode.cu", name) for name in sorted(decode)),
         ("paged_attention_decode.cu", reduce_kernel_name(suffix, head_dim)),
         ("paged_attention_prefill.cu", prefill_kernel_name(suffix, head_dim)),
     ]

@@ -256,3 +256,22 @@ def test_the_benchmarks_start_with_the_repo_on_pythonpath(script) -> None:
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+
+
+def test_the_kernel_benchmark_runs_each_decode_kernel_and_restores_the_engines() -> None:
+    from bench.gpu import cuda_kernels
+    from kernels.cuda import launch as cuda
+
+    seen = []
+    engine_default = cuda.decode_variant
+    for variant in cuda.DECODE_VARIANTS:
+        cuda_kernels.with_variant(variant, lambda: seen.append(cuda.decode_variant))()
+        assert cuda.decode_variant == engine_default
+    assert seen == list(cuda.DECODE_VARIANTS)
+
+    def broken():
+        raise RuntimeError("launch failed")
+
+    with pytest.raises(RuntimeError):
+        cuda_kernels.with_variant("one-pass", broken)()
+    assert cuda.decode_variant == engine_default

@@ -23,3 +23,10 @@ def emulated(emulator: Emulator, monkeypatch) -> str:
     monkeypatch.setattr(cuda, "_launch", emulator.launch)
     monkeypatch.setattr(cuda, "_require_gpu", lambda t, name: None)
     return "cpu"
+
+
+@pytest.fixture(params=cuda.DECODE_VARIANTS)
+def decode_variant(request, monkeypatch) -> str:
+    """Runs a test with each decode kernel (kernels.cuda.launch.DECODE_VARIANTS)."""
+    monkeypatch.setattr(cuda, "decode_variant", request.param)
+    return request.param

@@ -273,6 +273,42 @@ def test_short_decode_is_one_launch(launches):
     assert [int(a) for a in launch.args[12:]] == [0, 2, 3, width, 1, 512]
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,name",
+    [
+        (6, 2, "paged_attention_decode_onepass_f16_d64_b16_g4"),  # group 3
+        (8, 2, "paged_attention_decode_onepass_f16_d64_b16_g4"),  # group 4
+        (10, 2, "paged_attention_decode_onepass_f16_d64_b16_g8"),  # group 5
+        (32, 2, "paged_attention_decode_onepass_f16_d64_b16_g8"),  # group 16: two chunks of 8
+    ],
+)
+def test_the_one_pass_kernel_is_sized_for_the_group(launches, monkeypatch, heads, kv_heads, name):
+    monkeypatch.setattr(cuda, "decode_variant", "one-pass")
+    inputs = attention_inputs(seqs=((1, 20), (1, 3)), heads=heads, kv_heads=kv_heads)
+    inputs.call()
+    (launch,) = launches
+    assert launch.name == name
+    assert name in cuda.kernel_names()["paged_attention_decode.cu"]
+    # Same grid and arguments as the two-pass kernel's.
+    assert launch.grid == (kv_heads * -(-(heads // kv_heads) // 8), 2, 1)
+
+
+def test_an_unknown_decode_variant_is_refused():
+    with pytest.raises(ValueError, match="decode variant"):
+        cuda.decode_kernel_name("f16", 64, 16, 3, "three-pass")
+
+
+def test_warm_up_loads_the_decode_kernels_a_model_can_launch(monkeypatch):
+    monkeypatch.setattr(cuda, "decode_variant", "one-pass")
+    names = {name for _, name in cuda.kernels_for(torch.float16, 128, 32)}
+    assert {"paged_attention_decode_onepass_f16_d128_b32_g4",
+            "paged_attention_decode_onepass_f16_d128_b32_g8"} <= names  # fmt: skip
+    monkeypatch.setattr(cuda, "decode_variant", "two-pass")
+    assert "paged_attention_decode_f16_d128_b32" in {
+        n for _, n in cuda.kernels_for(torch.float16, 128, 32)
+    }
+
+
 def test_long_decode_adds_the_partition_merge(launches):
     inputs = attention_inputs(
         seqs=((1, 513), (1, 1100)),

@@ -338,7 +338,7 @@ def on_gpu(test):
 
 @on_gpu
 @pytest.mark.parametrize("dtype,head_dim,block_size,group", CONFIGS, ids=CONFIG_IDS)
-def test_decode_gpu(dtype, head_dim, block_size, group):
+def test_decode_gpu(dtype, head_dim, block_size, group, decode_variant):
     check_decode("cuda", dtype, head_dim, block_size, group, long_context=4096)
 
 
@@ -350,12 +350,12 @@ def test_prefill_gpu(dtype, head_dim, block_size, group):
 
 @on_gpu
 @pytest.mark.parametrize("dtype,head_dim,block_size,group", CONFIGS, ids=CONFIG_IDS)
-def test_mixed_batch_gpu(dtype, head_dim, block_size, group):
+def test_mixed_batch_gpu(dtype, head_dim, block_size, group, decode_variant):
     check_mixed("cuda", dtype, head_dim, block_size, group)
 
 
 @on_gpu
-def test_group_of_sixteen_gpu():
+def test_group_of_sixteen_gpu(decode_variant):
     """Groups over MAX_GROUP (8) query heads split across decode thread blocks."""
     check_decode("cuda", torch.float16, 128, 16, 16, long_context=2000)
     check_prefill("cuda", torch.float16, 128, 16, 16, [(40, 700)])
@@ -363,7 +363,7 @@ def test_group_of_sixteen_gpu():
 
 @on_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-def test_batch_invariance_gpu(dtype, monkeypatch):
+def test_batch_invariance_gpu(dtype, monkeypatch, decode_variant):
     pin_partition_size(monkeypatch, 128)
     check_batch_invariance("cuda", dtype)
 
@@ -371,7 +371,7 @@ def test_batch_invariance_gpu(dtype, monkeypatch):
 @on_gpu
 @pytest.mark.parametrize("size", attention_plan.PARTITION_SIZES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-def test_decode_partition_sizes_gpu(dtype, size, monkeypatch):
+def test_decode_partition_sizes_gpu(dtype, size, monkeypatch, decode_variant):
     """Every partition size the planner can choose, whatever this GPU's SM count picks."""
     pin_partition_size(monkeypatch, size)
     check_decode("cuda", dtype, 128, 16, 8, long_context=4096)
@@ -388,7 +388,7 @@ def test_reshape_and_cache_gpu(dtype, misalign):
 
 
 @on_gpu
-def test_high_block_ids_gpu():
+def test_high_block_ids_gpu(decode_variant):
     """A real cache over 2^31 elements (about 8.6 GB for K and V)."""
     batch = _high_batch("cuda")
     count = HIGH_SHIFT + batch.key_cache.shape[0]
@@ -413,7 +413,7 @@ def test_high_block_ids_gpu():
 
 
 @on_gpu
-def test_cuda_graph_replay_gpu():
+def test_cuda_graph_replay_gpu(decode_variant):
     """Decode attention captured in a CUDA graph replays to the eager result."""
     batch = make_batch([(1, 700), (1, 40)], **HIGH, device="cuda", padding=2)
     args = (batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.125)
@@ -439,7 +439,7 @@ EMULATED_IDS = [f"{str(t).removeprefix('torch.')}-d{d}-b{b}-g{g}" for t, d, b, g
 
 
 @pytest.mark.parametrize("dtype,head_dim,block_size,group", EMULATED, ids=EMULATED_IDS)
-def test_decode_emulated(emulated, dtype, head_dim, block_size, group):
+def test_decode_emulated(emulated, dtype, head_dim, block_size, group, decode_variant):
     check_decode(emulated, dtype, head_dim, block_size, group, long_context=1100)
 
 
@@ -450,17 +450,17 @@ def test_prefill_emulated(emulated, dtype, head_dim, block_size, group):
     )
 
 
-def test_mixed_batch_emulated(emulated):
+def test_mixed_batch_emulated(emulated, decode_variant):
     check_mixed(emulated, torch.float16, 64, 32, 3)
 
 
-def test_batch_invariance_emulated(emulated, monkeypatch):
+def test_batch_invariance_emulated(emulated, monkeypatch, decode_variant):
     pin_partition_size(monkeypatch, 64)
     check_batch_invariance(emulated, torch.bfloat16)
 
 
 @pytest.mark.parametrize("size", [512, 64])
-def test_decode_partition_sizes_emulated(emulated, monkeypatch, size):
+def test_decode_partition_sizes_emulated(emulated, monkeypatch, size, decode_variant):
     """The sizes the other emulated tests do not reach (they plan 128 and 256 for 132 SMs)."""
     pin_partition_size(monkeypatch, size)
     check_decode(emulated, torch.float16, 64, 16, 3, long_context=1100)
@@ -472,7 +472,7 @@ def test_reshape_and_cache_emulated(emulated, dtype, misalign):
     check_reshape_and_cache(emulated, dtype, misalign)
 
 
-def test_high_block_ids_emulated(emulated, monkeypatch):
+def test_high_block_ids_emulated(emulated, monkeypatch, decode_variant):
     """The kernels are handed each cache's address lowered by HIGH_SHIFT blocks, so block ids
     raised by HIGH_SHIFT land back inside it at element offsets past 2^31: no 8 GB needed."""
     batch = _high_batch(emulated)

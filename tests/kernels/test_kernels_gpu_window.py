@@ -107,7 +107,7 @@ def check_mixed_window(device, dtype, head_dim, block_size, group, window, softc
 @on_gpu
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("dtype,head_dim,block_size,group", CONFIGS, ids=CONFIG_IDS)
-def test_decode_window_gpu(dtype, head_dim, block_size, group, window):
+def test_decode_window_gpu(dtype, head_dim, block_size, group, window, decode_variant):
     check_decode_window("cuda", dtype, head_dim, block_size, group, window, long_context=4096)
 
 
@@ -122,7 +122,7 @@ def test_prefill_window_gpu(dtype, head_dim, block_size, group, window):
 @on_gpu
 @pytest.mark.parametrize("window", [None, 24, 300], ids=["full", "w24", "w300"])
 @pytest.mark.parametrize("dtype,head_dim,block_size,group", CONFIGS, ids=CONFIG_IDS)
-def test_softcap_gpu(dtype, head_dim, block_size, group, window):
+def test_softcap_gpu(dtype, head_dim, block_size, group, window, decode_variant):
     args = ("cuda", dtype, head_dim, block_size, group, window, 2.0, SOFTCAP_SCALE)
     check_decode_window(*args, long_context=4096)
     check_prefill_window(*args)
@@ -132,7 +132,7 @@ def test_softcap_gpu(dtype, head_dim, block_size, group, window):
 @on_gpu
 @pytest.mark.parametrize("size", attention_plan.PARTITION_SIZES)
 @pytest.mark.parametrize("window", [5, 100, 600], ids=["w5", "w100", "w600"])
-def test_decode_window_partition_sizes_gpu(monkeypatch, window, size):
+def test_decode_window_partition_sizes_gpu(monkeypatch, window, size, decode_variant):
     """Windows against every partition size: partitions before the window do not run."""
     pin_partition_size(monkeypatch, size)
     check_decode_window("cuda", torch.float16, 128, 16, 8, window, long_context=4096)
@@ -140,7 +140,7 @@ def test_decode_window_partition_sizes_gpu(monkeypatch, window, size):
 
 
 @on_gpu
-def test_window_group_of_sixteen_gpu():
+def test_window_group_of_sixteen_gpu(decode_variant):
     check_decode_window("cuda", torch.float16, 128, 16, 16, 100, 2.0, SOFTCAP_SCALE, 2000)
     check_prefill_window("cuda", torch.float16, 128, 16, 16, 100, 2.0, SOFTCAP_SCALE)
 
@@ -150,13 +150,15 @@ def test_window_group_of_sixteen_gpu():
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("dtype,head_dim,block_size,group", EMULATED, ids=EMULATED_IDS)
-def test_decode_window_emulated(emulated, dtype, head_dim, block_size, group, window):
+def test_decode_window_emulated(
+    emulated, dtype, head_dim, block_size, group, window, decode_variant
+):
     check_decode_window(emulated, dtype, head_dim, block_size, group, window)
 
 
 @pytest.mark.parametrize("window", [5, 24, 100])
 @pytest.mark.parametrize("size", [64, 512])
-def test_decode_window_partitions_emulated(emulated, monkeypatch, size, window):
+def test_decode_window_partitions_emulated(emulated, monkeypatch, size, window, decode_variant):
     """Several partitions of 64 inside the window, the window starting inside one of 512:
     partitions wholly before it do not run, the merge takes only those that did."""
     pin_partition_size(monkeypatch, size)
@@ -172,18 +174,18 @@ def test_prefill_window_emulated(emulated, dtype, head_dim, block_size, group, w
 
 @pytest.mark.parametrize("window", [None, 24, 100], ids=["full", "w24", "w100"])
 @pytest.mark.parametrize("dtype,head_dim,block_size,group", EMULATED[:2], ids=EMULATED_IDS[:2])
-def test_softcap_emulated(emulated, dtype, head_dim, block_size, group, window):
+def test_softcap_emulated(emulated, dtype, head_dim, block_size, group, window, decode_variant):
     args = (emulated, dtype, head_dim, block_size, group, window, 2.0, SOFTCAP_SCALE)
     check_decode_window(*args)
     check_prefill_window(*args)
 
 
 @pytest.mark.parametrize("window,softcap", [(50, None), (50, 2.0), (5000, 2.0)])
-def test_mixed_batch_window_emulated(emulated, window, softcap):
+def test_mixed_batch_window_emulated(emulated, window, softcap, decode_variant):
     check_mixed_window(emulated, torch.float16, 64, 32, 3, window, softcap)
 
 
-def test_window_batch_invariance_emulated(emulated, monkeypatch):
+def test_window_batch_invariance_emulated(emulated, monkeypatch, decode_variant):
     """A windowed, soft-capped sequence's output is the same bits alone and in a batch."""
     pin_partition_size(monkeypatch, 64)
     kwargs = dict(group=3, head_dim=64, block_size=16, dtype=torch.bfloat16, device=emulated)

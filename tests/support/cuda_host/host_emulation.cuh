@@ -233,21 +233,38 @@ const char* launch(void (*kernel)(A...), dim3 grid, dim3 block, void** args, uns
 
 }  // namespace hr_emu
 
-template <typename V>
-V __shfl_xor_sync(unsigned mask, V value, int lane_mask) {
+namespace hr_emu {
+
+// A full-warp shuffle: every lane posts `value`, waits for the warp, reads lane `source(lane)`'s.
+template <typename V, typename Source>
+V shuffle(unsigned mask, V value, Source source) {
   static_assert(sizeof(V) <= sizeof(unsigned long long), "shuffle of a wide type");
-  hr_emu::Block& b = *hr_emu::g_block;
-  if (mask != 0xffffffffu) hr_emu::fail("only full-warp shuffles are emulated");
-  if (b.fibers.size() % hr_emu::kWarp != 0) hr_emu::fail("shuffle in a block of partial warps");
-  const unsigned tid = b.current, lane = tid % hr_emu::kWarp, warp = tid / hr_emu::kWarp;
-  hr_emu::Fiber& self = b.fibers[tid];
-  unsigned long long* slots = &b.exchange[(warp * 2 + self.warp_syncs % 2) * hr_emu::kWarp];
+  Block& b = *g_block;
+  if (mask != 0xffffffffu) fail("only full-warp shuffles are emulated");
+  if (b.fibers.size() % kWarp != 0) fail("shuffle in a block of partial warps");
+  const unsigned tid = b.current, lane = tid % kWarp, warp = tid / kWarp;
+  Fiber& self = b.fibers[tid];
+  unsigned long long* slots = &b.exchange[(warp * 2 + self.warp_syncs % 2) * kWarp];
   ++self.warp_syncs;
   std::memcpy(&slots[lane], &value, sizeof(V));
-  hr_emu::yield(hr_emu::State::kWarpBarrier);
+  yield(State::kWarpBarrier);
   V out;
-  std::memcpy(&out, &slots[lane ^ static_cast<unsigned>(lane_mask)], sizeof(V));
+  std::memcpy(&out, &slots[source(lane) % kWarp], sizeof(V));
   return out;
+}
+
+}  // namespace hr_emu
+
+template <typename V>
+V __shfl_xor_sync(unsigned mask, V value, int lane_mask) {
+  return hr_emu::shuffle(mask, value, [&](unsigned lane) {
+    return lane ^ static_cast<unsigned>(lane_mask);
+  });
+}
+
+template <typename V>
+V __shfl_sync(unsigned mask, V value, int src_lane) {
+  return hr_emu::shuffle(mask, value, [&](unsigned) { return static_cast<unsigned>(src_lane); });
 }
 
 inline void __syncthreads() { hr_emu::yield(hr_emu::State::kBlockBarrier); }
