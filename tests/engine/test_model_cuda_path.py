@@ -151,9 +151,10 @@ def test_windows_and_softcap_reach_the_kernels(windowed_model, through_launchers
     assert windows == [w for step in per_step for w in step]
 
 
+@pytest.mark.parametrize("variant", cuda.DECODE_VARIANTS)
 @pytest.mark.parametrize("windowed", [False, True], ids=["plain", "gemma2-attention"])
 def test_forward_through_the_emulated_kernels(
-    model, windowed_model, monkeypatch, tmp_path_factory, windowed
+    model, windowed_model, monkeypatch, tmp_path_factory, windowed, variant
 ):
     emulator = session_emulator(tmp_path_factory)
     if emulator is None:
@@ -170,10 +171,11 @@ def test_forward_through_the_emulated_kernels(
     monkeypatch.setattr(cuda, "_launch", lambda *a: launched.append(a[2]) or emulator.launch(*a))
     monkeypatch.setattr(cuda, "_require_gpu", lambda t, name: None)
     monkeypatch.setattr(ops, "reference", cuda)  # CPU tensors now go to the launchers
+    monkeypatch.setattr(cuda, "decode_variant", variant)
     got = run_steps(model)
     assert set(launched) == {
         "reshape_and_cache_w16",
-        "paged_attention_decode_f16_d64_b16",
+        cuda.decode_kernel_name("f16", 64, 16, 3),
         "paged_attention_prefill_f16_d64",
     }
     for step, (g, e) in enumerate(zip(got, expected, strict=True)):
