@@ -418,7 +418,7 @@ class Tokenizer:
     @cached_property
     def _template(self) -> jinja2.Template:
         if not self.chat_template:
-            raise ValueError("this model has no chat template")
+            raise ValueError("no chat template (a server takes one: --chat-template)")
         return _compile_template(self.chat_template)
 
     def apply_chat_template(

@@ -73,7 +73,7 @@ directory of safetensors. `--seed` also seeds unseeded sampling.
 `--chat-template FILE` replaces the model's chat template with a Jinja file, rendered as
 transformers renders one (`messages`, `add_generation_prompt`, `bos_token`, `eos_token`).
 Use it for a file that carries none (the Gemma 3 270M GGUF: a chat otherwise gets
-INVALID_ARGUMENT "chat: this model has no chat template") or to fix one. The end-of-turn
+INVALID_ARGUMENT "chat: no chat template (...)") or to fix one. The end-of-turn
 tokens it writes (`<end_of_turn>`, `<|im_end|>`, `<|eot_id|>`, ...) become stop tokens, the
 roles it names are accepted, and gateways get it in the exported tokenizer. A file that is
 missing, not UTF-8, does not compile or fails on one user message stops start-up with a

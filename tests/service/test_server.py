@@ -168,6 +168,19 @@ def test_a_chat_gets_the_templates_bos_only_and_a_raw_prompt_the_vocabularys(ser
     assert responses[-1].complete.usage.prompt_tokens == len(want)
 
 
+def test_a_chat_to_a_model_without_a_template_names_the_flag_that_gives_one(serve) -> None:
+    from tests.support.fake_engine import FakeEngine
+    from tests.support.tiny_vocab import gemma_like
+
+    stub = serve(engine=FakeEngine(gemma_like(chat_template=None))).stub()
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])
+    error = _error(lambda: stub.Tokenize(pb.TokenizeRequest(chat=chat), timeout=TIMEOUT))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith("chat: ") and "--chat-template" in error.details()
+    raw = stub.Tokenize(pb.TokenizeRequest(prompt="hi"), timeout=TIMEOUT)  # still serving
+    assert list(raw.tokens) == ["<bos>", "hi"]
+
+
 # -- errors --------------------------------------------------------------------------------
 
 LONG_PROMPT = "word " * 3000  # > 2048 tokens
