@@ -136,6 +136,34 @@ __device__ __forceinline__ void load_queries(Smem& sm, const DecodeWork& w,
   }
 }
 
+// The soft-capped, scaled base-2 score of query head row `q` (shared memory, padded) with
+// one of the lane's kKeysPerLane keys `k`: after the reduce-scatter this lane holds key
+// `which`'s (every lane of its key row holds one key's, kLanesPerKey / 4 lanes each).
+template <typename T, int D, int B>
+__device__ __forceinline__ float score(const float4* q_row,
+                                       const float (&k)[kKeysPerLane][Vec16<T>::kSize],
+                                       int chunk, int lane, float softcap_log2, int& which) {
+  using S = DecodeShape<T, D, B>;
+  float q[S::kVec];
+#pragma unroll
+  for (int j = 0; j < S::kVec / 4; ++j) {
+    const float4 q4 = q_row[chunk * S::kQStride4 + j];
+    q[4 * j] = q4.x;
+    q[4 * j + 1] = q4.y;
+    q[4 * j + 2] = q4.z;
+    q[4 * j + 3] = q4.w;
+  }
+  float dots[kKeysPerLane];
+#pragma unroll
+  for (int j = 0; j < kKeysPerLane; ++j) {
+    dots[j] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < S::kVec; ++e) dots[j] = fmaf(q[e], k[j][e], dots[j]);
+  }
+  return soft_cap(reduce_scatter_sum<kKeysPerLane, S::kLanesPerKey>(dots, lane, which),
+                  softcap_log2);
+}
+
 // Phase 1: logits[g][t - tok_begin] = log2(e) * scale * q_g . k_t (soft-capped)
 // for the partition's tokens tok_begin <= t < tok_end.
 template <typename T, int D, int B>
@@ -160,25 +188,8 @@ __device__ __forceinline__ void score_keys(DecodeSmem<D>& sm, const DecodeWork& 
         load16_or_zero(base + slot * token_stride, pos >= w.tok_begin && pos < w.tok_end, k[j]);
       }
       for (int g = 0; g < w.heads; ++g) {
-        float q[S::kVec];
-#pragma unroll
-        for (int j = 0; j < S::kVec / 4; ++j) {
-          const float4 q4 = sm.q[g][chunk * S::kQStride4 + j];
-          q[4 * j] = q4.x;
-          q[4 * j + 1] = q4.y;
-          q[4 * j + 2] = q4.z;
-          q[4 * j + 3] = q4.w;
-        }
-        float dots[kKeysPerLane];
-#pragma unroll
-        for (int j = 0; j < kKeysPerLane; ++j) {
-          dots[j] = 0.0f;
-#pragma unroll
-          for (int e = 0; e < S::kVec; ++e) dots[j] = fmaf(q[e], k[j][e], dots[j]);
-        }
         int which;
-        const float s = soft_cap(
-            reduce_scatter_sum<kKeysPerLane, S::kLanesPerKey>(dots, lane, which), softcap_log2);
+        const float s = score<T, D, B>(sm.q[g], k, chunk, lane, softcap_log2, which);
         const int tok = blk * B + it + which * S::kKeysPerRow + key_in_row;
         // Lanes holding the same key hold the same sum: the first one writes.
         const bool writer = (chunk & (S::kLanesPerKey / kKeysPerLane - 1)) == 0;
@@ -261,6 +272,30 @@ __device__ __forceinline__ void accumulate_values(const DecodeSmem<D>& sm, const
   }
 }
 
+// Element i (head i / D, dim i % D) of this thread block's normalized output `o`: straight
+// into `out` when the sequence has one partition, else into this partition's workspace
+// slot with the head's max and sum (base 2) for kernel 2.
+template <typename T, int D>
+__device__ __forceinline__ void write_output(const DecodeWork& w, int i, float o, float max,
+                                             float sum, T* __restrict__ out,
+                                             float* __restrict__ ws_out,
+                                             float* __restrict__ ws_max,
+                                             float* __restrict__ ws_sum, int num_heads,
+                                             int max_partitions) {
+  if (w.parts == 1) {
+    out[static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D + i] =
+        from_float<T>(o);
+    return;
+  }
+  const int g = i / D, d = i % D;
+  const i64 slot = (static_cast<i64>(w.seq) * num_heads + w.head0 + g) * max_partitions + w.part;
+  ws_out[slot * D + d] = o;
+  if (d == 0) {
+    ws_max[slot] = max;
+    ws_sum[slot] = sum;
+  }
+}
+
 // Sums the warps' partial outputs (through the logits buffer, free by now)
 // and writes out[q_row] directly, or this partition's slot of the workspaces.
 template <typename T, int D, int B>
@@ -290,18 +325,8 @@ __device__ __forceinline__ void store_output(DecodeSmem<D>& sm, const DecodeWork
 #pragma unroll
     for (int k = 0; k < kDecodeWarps; ++k) o += partial[(k * kMaxGroup + g) * D + d];
     o /= sm.head_sum[g];
-    if (w.parts == 1) {
-      out[static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D + i] =
-          from_float<T>(o);
-    } else {
-      const i64 slot =
-          (static_cast<i64>(w.seq) * num_heads + w.head0 + g) * max_partitions + w.part;
-      ws_out[slot * D + d] = o;
-      if (d == 0) {
-        ws_max[slot] = sm.head_max[g];
-        ws_sum[slot] = sm.head_sum[g];
-      }
-    }
+    write_output<T, D>(w, i, o, sm.head_max[g], sm.head_sum[g], out, ws_out, ws_max, ws_sum,
+                       num_heads, max_partitions);
   }
 }
 
@@ -330,6 +355,29 @@ __device__ __forceinline__ bool decode_work(DecodeWork& w, const int* __restrict
   return true;
 }
 
+// What both decode kernels do first: find their work (false from decode_work: none), write
+// zeros for an empty context (CUDA-graph padding rows), stage the scaled queries in shared
+// memory. The sequence's block table, or nullptr when the thread block is done.
+template <typename T, int D, int B, typename Smem>
+__device__ __forceinline__ const int* decode_prologue(
+    Smem& sm, DecodeWork& w, T* __restrict__ out, const T* __restrict__ query,
+    const int* __restrict__ block_tables, const int* __restrict__ context_lens,
+    const int* __restrict__ query_start_loc, float scale_log2, int window, int num_kv_heads,
+    int group_size, int table_width, int partition_size) {
+  if (!decode_work(w, context_lens, query_start_loc, group_size, partition_size, window)) {
+    return nullptr;
+  }
+  const int num_heads = num_kv_heads * group_size;
+  if (w.ctx == 0) {
+    T* row = out + static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D;
+    for (int i = threadIdx.x; i < w.heads * D; i += kDecodeThreads) row[i] = from_float<T>(0.0f);
+    return nullptr;
+  }
+  load_queries<T, D, B>(sm, w, query, num_heads, scale_log2);
+  __syncthreads();
+  return block_tables + static_cast<i64>(w.seq) * table_width;
+}
+
 template <typename T, int D, int B>
 __device__ __forceinline__ void decode_partition(
     T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_max,
@@ -340,16 +388,11 @@ __device__ __forceinline__ void decode_partition(
     int table_width, int max_partitions, int partition_size) {
   __shared__ DecodeSmem<D> sm;
   DecodeWork w;
-  if (!decode_work(w, context_lens, query_start_loc, group_size, partition_size, window)) return;
+  const int* table = decode_prologue<T, D, B>(sm, w, out, query, block_tables, context_lens,
+                                              query_start_loc, scale_log2, window, num_kv_heads,
+                                              group_size, table_width, partition_size);
+  if (table == nullptr) return;
   const int num_heads = num_kv_heads * group_size;
-  if (w.ctx == 0) {
-    T* row = out + static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D;
-    for (int i = threadIdx.x; i < w.heads * D; i += kDecodeThreads) row[i] = from_float<T>(0.0f);
-    return;
-  }
-  const int* table = block_tables + static_cast<i64>(w.seq) * table_width;
-  load_queries<T, D, B>(sm, w, query, num_heads, scale_log2);
-  __syncthreads();
   score_keys<T, D, B>(sm, w, key_cache, table, num_kv_heads, softcap_log2);
   __syncthreads();
   softmax_rows<D>(sm, w);
@@ -441,16 +484,11 @@ __device__ __forceinline__ void decode_partition_onepass(
   constexpr int kIters = B / S::kKeysPerIter;
   __shared__ OnePassSmem<D> sm;
   DecodeWork w;
-  if (!decode_work(w, context_lens, query_start_loc, group_size, partition_size, window)) return;
+  const int* table = decode_prologue<T, D, B>(sm, w, out, query, block_tables, context_lens,
+                                              query_start_loc, scale_log2, window, num_kv_heads,
+                                              group_size, table_width, partition_size);
+  if (table == nullptr) return;
   const int num_heads = num_kv_heads * group_size;
-  if (w.ctx == 0) {
-    T* row = out + static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D;
-    for (int i = threadIdx.x; i < w.heads * D; i += kDecodeThreads) row[i] = from_float<T>(0.0f);
-    return;
-  }
-  const int* table = block_tables + static_cast<i64>(w.seq) * table_width;
-  load_queries<T, D, B>(sm, w, query, num_heads, scale_log2);
-  __syncthreads();
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int key_in_row = lane / S::kLanesPerKey, chunk = lane % S::kLanesPerKey;
@@ -499,25 +537,8 @@ __device__ __forceinline__ void decode_partition_onepass(
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       if (g >= w.heads) break;
-      float q[S::kVec];
-#pragma unroll
-      for (int j = 0; j < S::kVec / 4; ++j) {
-        const float4 q4 = sm.q[g][chunk * S::kQStride4 + j];
-        q[4 * j] = q4.x;
-        q[4 * j + 1] = q4.y;
-        q[4 * j + 2] = q4.z;
-        q[4 * j + 3] = q4.w;
-      }
-      float dots[kKeysPerLane];
-#pragma unroll
-      for (int j = 0; j < kKeysPerLane; ++j) {
-        dots[j] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < S::kVec; ++e) dots[j] = fmaf(q[e], k[j][e], dots[j]);
-      }
       int which;
-      const float mine = soft_cap(
-          reduce_scatter_sum<kKeysPerLane, S::kLanesPerKey>(dots, lane, which), softcap_log2);
+      const float mine = score<T, D, B>(sm.q[g], k, chunk, lane, softcap_log2, which);
       float s[kKeysPerLane];
       float top = neg_inf();
 #pragma unroll
@@ -588,18 +609,8 @@ __device__ __forceinline__ void decode_partition_onepass(
       o = fmaf(sm.part_out[k][g][d], weight, o);
     }
     o /= total;
-    if (w.parts == 1) {
-      out[static_cast<i64>(w.q_row) * num_heads * D + static_cast<i64>(w.head0) * D + i] =
-          from_float<T>(o);
-    } else {
-      const i64 slot =
-          (static_cast<i64>(w.seq) * num_heads + w.head0 + g) * max_partitions + w.part;
-      ws_out[slot * D + d] = o;
-      if (d == 0) {
-        ws_max[slot] = top;
-        ws_sum[slot] = total;
-      }
-    }
+    write_output<T, D>(w, i, o, top, total, out, ws_out, ws_max, ws_sum, num_heads,
+                       max_partitions);
   }
 }
 
