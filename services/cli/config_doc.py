@@ -27,8 +27,8 @@ Every `headrace serve` flag has a `HEADRACE_*` environment twin (flag > environm
 default); `headrace serve --help` lists them with their defaults. Pass flags through make
 as `make serve ARGS="--max-num-seqs 32"`. `headrace generate --offline` (no server, the
 engine in-process) takes only {offline}; `headrace export-tokenizer`
-takes `--model` and `--chat-template`. The options of the bundled client commands (`--server`, `--tls-ca`, ...) are in
-[security.md](security.md#clients).
+takes `--model` and `--chat-template`. The options of the bundled client commands
+(`--server`, `--tls-ca`, ...) are in [security.md](security.md#clients).
 """
 
 TITLES = {

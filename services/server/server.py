@@ -299,4 +299,9 @@ def _export_tokenizer(engine, directory: str) -> str:
     directory = directory or tempfile.mkdtemp(prefix="headrace-tokenizer-")
     path = export_tokenizer(engine.tokenizer, directory, engine.max_model_len)
     log.info("tokenizer exported", path=str(path.resolve()))
+    if not engine.tokenizer.chat_template:
+        log.warning(
+            "the model has no chat template: chats get INVALID_ARGUMENT here and an error "
+            "at gateways; give one with --chat-template FILE"
+        )
     return str(path.resolve())

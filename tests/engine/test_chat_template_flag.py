@@ -147,3 +147,16 @@ def test_export_tokenizer_refuses_a_bad_file_with_exit_2(tmp_path: Path, capsys)
     assert cli.main(["export-tokenizer", str(tmp_path / "tok"), "--chat-template", str(missing)])
     assert "--chat-template" in capsys.readouterr().err
     assert not (tmp_path / "tok").exists()
+
+
+@pytest.mark.parametrize("template", [None, GEMMA_LIKE_TEMPLATE], ids=["none", "given"])
+def test_serving_a_model_without_a_template_warns_at_start(tmp_path: Path, template) -> None:
+    from structlog.testing import capture_logs
+
+    from services.server.server import _export_tokenizer
+    from tests.support.fake_engine import FakeEngine
+
+    with capture_logs() as logs:
+        _export_tokenizer(FakeEngine(gemma_like(template)), str(tmp_path))
+    warned = [e for e in logs if e["log_level"] == "warning" and "--chat-template" in e["event"]]
+    assert len(warned) == (1 if template is None else 0)
