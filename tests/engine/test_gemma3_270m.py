@@ -51,6 +51,7 @@ TEXTS = [
 # Gemma 3's turn format, shipped for this file (it carries no chat template) and served
 # with --chat-template.
 CHAT_TEMPLATE_FILE = Path(__file__).parents[2] / "docs/chat-templates/gemma3.jinja"
+CHAT_TEMPLATE = CHAT_TEMPLATE_FILE.read_text("utf-8")  # also Gemma 2's (test_model_families_gguf)
 CHAT = [
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "What is 2 + 2?"},
@@ -104,7 +105,7 @@ def test_tokenizer_gives_transformers_ids(engine: Engine, reference) -> None:
         assert ours.decode(ids) == theirs.decode(ids), text
     want = theirs.apply_chat_template(
         CHAT,
-        chat_template=CHAT_TEMPLATE_FILE.read_text("utf-8"),
+        chat_template=CHAT_TEMPLATE,
         add_generation_prompt=True,
         tokenize=True,
     )
