@@ -24,7 +24,7 @@ from bench import common
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
-from compute.model_runner import kv_bytes_per_block
+from compute.runner.model_runner import kv_bytes_per_block
 
 CONFIGS = (  # --weights/--kv-cache-dtype
     "quantized/float32,quantized/float16,quantized/int8,"

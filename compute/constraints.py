@@ -30,7 +30,7 @@ docs/performance.md (the constrained section).
 EOS: the model's EOS ids are llguidance's, so the grammar allows them exactly where it may
 end (and only them once it must). A matcher that fails (a token the grammar rejects, a
 resource limit, a mask with no token allowed) raises ``GrammarFault``: the step fails,
-and fault isolation (compute/fault_isolation.py) fails that request alone.
+and fault isolation (compute/runner/fault_isolation.py) fails that request alone.
 """
 
 from __future__ import annotations

@@ -44,13 +44,13 @@ from compute.core.outputs import SchedulerOutput
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence
-from compute.cuda_graphs import DecodeGraphs, capture_or_eager
 from compute.device.selection import building_threads, cpu_execution, resolve_device
-from compute.fault_isolation import launch_isolating
 from compute.loaders import LoadedModel, load_model, read_template_flag, with_chat_template
 from compute.memory_report import log_memory
 from compute.model import LlamaModel
-from compute.model_runner import (
+from compute.runner.cuda_graphs import DecodeGraphs, capture_or_eager
+from compute.runner.fault_isolation import launch_isolating
+from compute.runner.model_runner import (
     ModelRunner,
     StepResult,
     blocks_for_memory,
@@ -184,7 +184,7 @@ class Engine:
     def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
         """CUDA graphs of decode steps when asked (or by default on CUDA). A capture that
         fails raises when graphs were asked for (True); by default it is logged (an error)
-        and the engine runs eagerly: slower, not wrong (compute/cuda_graphs.py)."""
+        and the engine runs eagerly: slower, not wrong (compute/runner/cuda_graphs.py)."""
         wanted = config.device.cuda_graphs
         if self.device.type != "cuda":
             if wanted:

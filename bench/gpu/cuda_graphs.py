@@ -29,8 +29,8 @@ import torch
 from bench import common
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.core.sampling_params import SamplingParams
-from compute.cuda_graphs import DecodeGraphs
 from compute.engine import Engine
+from compute.runner.cuda_graphs import DecodeGraphs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

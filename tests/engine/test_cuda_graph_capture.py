@@ -1,4 +1,4 @@
-"""What a failed CUDA-graph capture does (compute/cuda_graphs.py), checked on the CPU, where
+"""What a failed CUDA-graph capture does (compute/runner/cuda_graphs.py), checked on the CPU, where
 every capture fails (torch has no CUDA here): it raises CaptureError, later captures in
 the process are refused rather than attempted on whatever state the failure left, graphs
 asked for explicitly (tests, benchmarks) fail with it, and by default the engine logs the
@@ -13,8 +13,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from compute import cuda_graphs
-from compute.cuda_graphs import CaptureError, DecodeGraphs, capture_or_eager
+from compute.runner import cuda_graphs
+from compute.runner.cuda_graphs import CaptureError, DecodeGraphs, capture_or_eager
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""CUDA graphs of decode steps (compute/cuda_graphs.py), what the CPU can check: the
+"""CUDA graphs of decode steps (compute/runner/cuda_graphs.py), what the CPU can check: the
 buckets, and the static buffers a graph replays, run eagerly (``capture=False``). A step
 copied into a bucket and padded must give the tokens of the eager step, for every bucket,
 as sequences join and leave between steps and the batch crosses bucket boundaries; a
@@ -16,9 +16,9 @@ import torch
 
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.core.sampling_params import SamplingParams
-from compute.cuda_graphs import DecodeGraphs, bucket_sizes
 from compute.engine import Engine
 from compute.loaders import LoadedModel, load_model
+from compute.runner.cuda_graphs import DecodeGraphs, bucket_sizes
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ Also checked on the GPU: the prefill and decode kernels are both called
 and aborting mid-run returns every block.
 
 Engines run eagerly unless a test tests CUDA graphs (``graphs=True``): a capture
-that fails then fails the test (compute/cuda_graphs.py raises when graphs are asked
+that fails then fails the test (compute/runner/cuda_graphs.py raises when graphs are asked
 for), and no test captures what it does not test (the torch reference attention
 synchronises, which no capture survives).
 """
@@ -323,7 +323,7 @@ def test_cuda_graphs_replay_gives_the_tokens_of_the_same_buffers_run_eagerly(cpu
     plain eager steps (other row counts, so bf16 GEMMs may round differently, and random
     weights' near-tied logits make a greedy run diverge for good after one flip: the
     same >= 75% floor as the CPU comparison above)."""
-    from compute.cuda_graphs import DecodeGraphs
+    from compute.runner.cuda_graphs import DecodeGraphs
 
     engine = make_engine(cpu_weights, "cuda", torch.bfloat16, graphs=True)
     graphs = engine.runner.graphs
@@ -350,7 +350,7 @@ def test_cuda_graphs_replay_gives_the_tokens_of_the_same_buffers_run_eagerly(cpu
 def test_cuda_graphs_replay_windowed_layers_as_the_same_buffers_run_eagerly(cpu_weights):
     """A windowed, soft-capped model's decode graphs: the captured grid covers the
     partitions a window reaches at any context, so replay gives the eager buffers' tokens."""
-    from compute.cuda_graphs import DecodeGraphs
+    from compute.runner.cuda_graphs import DecodeGraphs
 
     model = gemma2_attention(cpu_weights)
     engine = make_engine(model, "cuda", torch.bfloat16, graphs=True)

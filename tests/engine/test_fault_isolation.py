@@ -17,8 +17,8 @@ from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, Schedul
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
 from compute.fault_injection import FaultInjector
-from compute.fault_isolation import FAULT_MESSAGE
-from compute.model_runner import BAD_TOKEN_MESSAGE
+from compute.runner.fault_isolation import FAULT_MESSAGE
+from compute.runner.model_runner import BAD_TOKEN_MESSAGE
 from compute.sampler import apply_top_k_top_p
 
 BAD = "bad"

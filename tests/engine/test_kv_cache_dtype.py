@@ -17,7 +17,7 @@ from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, Schedul
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
 from compute.loaders import LoadedModel, load_model
-from compute.model_runner import blocks_for_memory, kv_cache_dtype
+from compute.runner.model_runner import blocks_for_memory, kv_cache_dtype
 from services.cli import cli, cli_flags
 from tests.engine.test_engine import INTRO, TEXTS
 

@@ -16,7 +16,7 @@ fault every request hits (out of memory, a broken device) fails them all, after 
 from __future__ import annotations
 
 from compute.core.outputs import ScheduledSequence
-from compute.model_runner import ModelRunner, StepResult
+from compute.runner.model_runner import ModelRunner, StepResult
 from kernels.log import get_logger
 
 log = get_logger(__name__)

@@ -32,11 +32,11 @@ from compute.core.config import (
 )
 from compute.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from compute.core.sequence import Sequence
-from compute.cuda_graphs import DecodeGraphs
 from compute.fault_injection import FaultInjector
 from compute.model import LlamaModel
+from compute.runner.cuda_graphs import DecodeGraphs
+from compute.runner.step_batch import StepBatch
 from compute.sampler import LogprobRows, Sampler
-from compute.step_batch import StepBatch
 from kernels.metadata import AttentionMetadata
 from kernels.reference import kv_row_width
 from kernels.transfer import device_tensor

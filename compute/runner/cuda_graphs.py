@@ -42,7 +42,7 @@ from kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from compute.model import LlamaModel
-    from compute.step_batch import StepBatch
+    from compute.runner.step_batch import StepBatch
 
 log = get_logger(__name__)
 # Longest context a captured step may hold: the decode plan's partitions (and workspace)
