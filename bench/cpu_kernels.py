@@ -36,7 +36,7 @@ from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, Schedul
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
 from compute.loaders import load_model
-from compute.model import fuse
+from compute.models.decoder import fuse
 from kernels import reference
 from kernels.cpu import build as cpu_build
 from kernels.cpu import launch as cpu

@@ -36,7 +36,7 @@ import torch
 
 from bench import common
 from compute.loaders import load_model
-from compute.model import fuse
+from compute.models.decoder import fuse
 from kernels.cpu import launch as cpu
 from kernels.quant import FORMATS
 
@@ -97,10 +97,10 @@ def stream_gb_s(threads: int, mib: int = 512) -> float:
 
 def rss_child(path: str, quantized: bool) -> None:
     from compute.memory_report import process_rss_bytes
-    from compute.model import LlamaModel
+    from compute.models.decoder import DecoderModel
 
     loaded = load_model(path, quantized=quantized, progress=False)
-    model = LlamaModel(loaded.config, loaded.weights, native=True)
+    model = DecoderModel(loaded.config, loaded.weights, native=True)
     loaded.weights.clear()
     gc.collect()
     print(json.dumps({"rss_mib": process_rss_bytes() / 2**20, "layers": len(model.layers)}))

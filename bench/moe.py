@@ -12,7 +12,7 @@ shared: a busy spell hits both) and the best median step time of each is reporte
 
 Bytes read per decode step: attention, router, the experts some token of the step chose
 (each read once per step, however many of the step's tokens chose it) and the lm_head,
-counted from the experts the engine really ran (compute/moe.py expert_runs) against the
+counted from the experts the engine really ran (compute/models/moe.py expert_runs) against the
 active weights' bytes (top-k experts per token). Also for 8 sequences decoding together,
 where tokens share experts and the step reads fewer experts than 8 x top-k.
 

@@ -47,7 +47,7 @@ from compute.core.sequence import Sequence
 from compute.device.selection import building_threads, cpu_execution, resolve_device
 from compute.loaders import LoadedModel, load_model, read_template_flag, with_chat_template
 from compute.memory_report import log_memory
-from compute.model import LlamaModel
+from compute.models.decoder import DecoderModel
 from compute.runner.cuda_graphs import DecodeGraphs, capture_or_eager
 from compute.runner.fault_isolation import launch_isolating
 from compute.runner.model_runner import (
@@ -108,7 +108,7 @@ class Engine:
         self.last_step_timing: StepTiming | None = None  # of the latest step()
         self._generation_tokens = 0
 
-    def _build_model(self, config: EngineConfig, loaded: LoadedModel | None) -> LlamaModel:
+    def _build_model(self, config: EngineConfig, loaded: LoadedModel | None) -> DecoderModel:
         """The model on self.device, checked against the kernels that will run it (so a model
         they cannot serve fails now, not at the first step); sets the model's config,
         tokenizer, length limit, weights mode and KV dtype."""
@@ -139,7 +139,7 @@ class Engine:
             config.cache.block_size,
             native_cpu=native,
         )
-        model = LlamaModel(cfg, loaded.weights, native=native, int8=weights == "quantized-int8")
+        model = DecoderModel(cfg, loaded.weights, native=native, int8=weights == "quantized-int8")
         # What took effect: a source without GGUF blocks (HF, dummy) loads dense anyway.
         self.weights = weights if model.quantized else "dense"
         self.kv_dtype = kv_cache_dtype(config.cache, device, dtype, self.weights, cfg.head_dim)
@@ -150,7 +150,7 @@ class Engine:
         loaded.weights.clear()  # the model holds its own (fused) copies now
         return model
 
-    def _build_cache(self, config: EngineConfig, model: LlamaModel) -> None:
+    def _build_cache(self, config: EngineConfig, model: DecoderModel) -> None:
         """The KV cache's blocks (device and, for swap preemption, host) and the runner that
         owns them and the model."""
         self.block_size = config.cache.block_size
@@ -192,7 +192,8 @@ class Engine:
             return None
         if wanted is False:
             return None
-        if self.runner.model.config.num_experts:  # experts picked on the host (compute/moe.py)
+        # Experts are picked on the host (compute/models/moe.py).
+        if self.runner.model.config.num_experts:
             if wanted:
                 raise ValueError("cuda_graphs: mixture-of-experts models run eagerly")
             log.info("cuda graphs: off for a mixture-of-experts model (eager steps)")

@@ -17,7 +17,7 @@ LAYER_TYPES = ("full", "sliding")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder; filled by a loader, read by the model."""
+    """Shape of the decoder and the deltas of its family; filled by a loader, read by the model."""
 
     name: str  # human-readable model name, reported by GetModelInfo
     architecture: str  # e.g. "llama", "qwen2", "mistral"
@@ -36,10 +36,11 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3-style RMSNorm of each q and k head before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # RoPE frequencies (compute/rope.py): "default"; "linear" (every frequency / rope_factor);
-    # "llama3" (Llama 3.1's per-frequency scaling by rope_factor, rope_low_freq_factor,
-    # rope_high_freq_factor and rope_original_max_position). rope_freq_factors: the
-    # per-frequency divisors a GGUF file stores instead (its rope_freqs tensor), any type.
+    # RoPE frequencies (compute/models/rope.py): "default"; "linear" (every frequency /
+    # rope_factor); "llama3" (Llama 3.1's per-frequency scaling by rope_factor,
+    # rope_low_freq_factor, rope_high_freq_factor and rope_original_max_position).
+    # rope_freq_factors: the per-frequency divisors a GGUF file stores instead (its
+    # rope_freqs tensor), any type.
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
@@ -49,7 +50,7 @@ class ModelConfig:
     # Tokens a query attends to (itself included) on its sliding layers; None = all. Masked
     # by absolute position in every kernel path (kernels/reference.py, kernels/csrc/cpu).
     sliding_window: int | None = None
-    # Mixture of experts (compute/moe.py): 0 experts = a dense MLP on every layer. Otherwise
+    # Mixture of experts (compute/models/moe.py): 0 experts = a dense MLP on every layer. Otherwise
     # each token's MLP is the num_experts_per_tok experts its router scores highest (of
     # num_experts SwiGLU MLPs of moe_intermediate_size), weighted by their softmax
     # probabilities, renormalised to sum to 1 when norm_topk_prob; the layers listed in

@@ -29,7 +29,7 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",  # mixture of experts (compute/moe.py)
+    "qwen3_moe": "Qwen3MoeForCausalLM",  # mixture of experts (compute/models/moe.py)
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

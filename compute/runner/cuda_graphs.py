@@ -41,7 +41,7 @@ from kernels.log import get_logger
 from kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from compute.model import LlamaModel
+    from compute.models.decoder import DecoderModel
     from compute.runner.step_batch import StepBatch
 
 log = get_logger(__name__)
@@ -90,7 +90,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         max_num_seqs: int,

@@ -33,7 +33,7 @@ from compute.core.config import (
 from compute.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from compute.core.sequence import Sequence
 from compute.fault_injection import FaultInjector
-from compute.model import LlamaModel
+from compute.models.decoder import DecoderModel
 from compute.runner.cuda_graphs import DecodeGraphs
 from compute.runner.step_batch import StepBatch
 from compute.sampler import LogprobRows, Sampler
@@ -162,7 +162,7 @@ class StepResult:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         cache: CacheConfig,
         num_blocks: int,
         num_host_blocks: int = 0,

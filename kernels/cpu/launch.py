@@ -411,8 +411,8 @@ def decoder_table(
     marked ``local_rope`` (Gemma 3's sliding layers; 0 = the call's tables), and a
     mixture-of-experts layer's MLP (_moe_fields; all 0 on a dense layer).
 
-    ``layers``: compute.model.LayerWeights whose projections are all quantized, in the
-    layout their kernel reads, and whose experts have a table (compute/moe.py; checked
+    ``layers``: compute.models.decoder.LayerWeights whose projections are all quantized, in the
+    layout their kernel reads, and whose experts have a table (compute/models/moe.py; checked
     here, once per table, not per step)."""
     table = torch.zeros(len(layers), _LAYER_FIELDS, dtype=torch.int64)
     norms = [layer.input_norm for layer in layers[1:]] + [final_norm]
@@ -475,7 +475,7 @@ def moe_shape(layer) -> tuple[int, int, int] | None:
 def _moe_fields(moe, int8: bool) -> list[int]:
     """A layer's MoE fields of decoder_table: router [E, H] pointer, E, top_k, normalize,
     experts' table pointer, expert intermediate size, its run counter's pointer (0s: no
-    MoE). ``moe``: a compute.moe.MoE or None."""
+    MoE). ``moe``: a compute.models.moe.MoE or None."""
     if moe is None:
         return [0] * (_MOE_FIELDS.stop - _MOE_FIELDS.start)
     if moe.table is None or moe.int8 != int8:
@@ -560,9 +560,9 @@ def decoder_layers(
 def moe_table(experts: list) -> Tensor | None:
     """The int64 [E, 4] table hr_moe_experts reads (each expert's gate|up and down: block
     pointer, format), or None when some projection is not a single block format (dense,
-    or a stack of formats): those run per op (compute/moe.py); None for no experts.
+    or a stack of formats): those run per op (compute/models/moe.py); None for no experts.
 
-    ``experts``: compute.moe.Expert objects, their projections in their kernel's layout."""
+    ``experts``: compute.models.moe.Expert objects, their projections in their kernel's layout."""
     if not experts:
         return None
     rows = []

@@ -19,7 +19,7 @@ import torch
 
 from compute.core.config import ModelConfig
 from compute.loaders import load_model
-from compute.model import LlamaModel
+from compute.models.decoder import DecoderModel
 from kernels.cpu import launch as cpu
 from kernels.quant import QuantizedWeight
 from tests.engine import test_loaders
@@ -126,10 +126,10 @@ def test_an_unsupported_type_loads_dense_named_in_one_warning(tmp_path, monkeypa
 )
 def test_the_fused_decoder_call_runs_the_mixed_formats(kquant_file, query_lens, context_lens):
     loaded = load_model(str(kquant_file), progress=False, quantized=True)
-    model = LlamaModel(loaded.config, loaded.weights, native=True)
+    model = DecoderModel(loaded.config, loaded.weights, native=True)
     assert model.fused_layers and model.layers[0].qkv.quantized.format.name == "stacked"
     dense = load_model(str(kquant_file), progress=False)
-    reference = LlamaModel(dense.config, dense.weights, native=True)
+    reference = DecoderModel(dense.config, dense.weights, native=True)
     meta, positions, blocks = _step(query_lens, context_lens)
     tokens = int(sum(query_lens))
     token_ids = torch.randint(0, CONFIG.vocab_size, (tokens,), generator=torch.Generator())
@@ -151,7 +151,7 @@ def test_int8_mode_converts_them_to_its_formats(kquant_file):
     loaded = load_model(str(kquant_file), progress=False, quantized=True)
     down = loaded.weights["model.layers.0.mlp.down_proj.weight"]
     o_proj = loaded.weights["model.layers.0.self_attn.o_proj.weight"]
-    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+    model = DecoderModel(loaded.config, loaded.weights, native=True, int8=True)
     assert model.fused_layers
     layer = model.layers[0]
     formats = [p.quantized.format.name for p in (layer.qkv, layer.o_proj, layer.gate_up)]
@@ -183,7 +183,7 @@ def test_int8_mode_keeps_q5_0_and_q5_1_exact(tmp_path, monkeypatch):
     path = _write(tmp_path / "q5x.gguf", MIXES["q5_x"], monkeypatch)
     loaded = load_model(str(path), progress=False, quantized=True)
     exact = {name: w.dequantize() for name, w in loaded.weights.items() if "_proj" in name}
-    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+    model = DecoderModel(loaded.config, loaded.weights, native=True, int8=True)
     assert model.fused_layers
     q_rows = loaded.config.num_heads * loaded.config.head_dim
     for i, layer in enumerate(model.layers):
@@ -212,7 +212,7 @@ def test_int8_mode_keeps_q6_k_in_its_blocks(tmp_path, monkeypatch):
     path = _write(tmp_path / "q6k.gguf", MIXES["q6_k"], monkeypatch)
     loaded = load_model(str(path), progress=False, quantized=True)
     exact = {name: w.dequantize() for name, w in loaded.weights.items() if "_proj" in name}
-    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+    model = DecoderModel(loaded.config, loaded.weights, native=True, int8=True)
     assert model.fused_layers
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
@@ -241,7 +241,7 @@ def test_int8_mode_keeps_iq4_in_its_blocks(tmp_path, monkeypatch):
     path = _write(tmp_path / "iq4.gguf", {**MIXES["iq4"], (260, 256): Q.IQ4_XS}, monkeypatch)
     loaded = load_model(str(path), progress=False, quantized=True)
     exact = {name: w.dequantize() for name, w in loaded.weights.items() if len(w.shape) == 2}
-    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=True)
+    model = DecoderModel(loaded.config, loaded.weights, native=True, int8=True)
     assert model.fused_layers
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."

@@ -59,7 +59,7 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf's LlamaModel.permute (with n_head already the kv count)."""
+    """llama.cpp convert_hf_to_gguf's DecoderModel.permute (with n_head already the kv count)."""
     shape = weights.shape
     return (
         weights.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:])

@@ -14,7 +14,7 @@ import torch
 
 from compute.loaders import ModelLoadError, load_model
 from compute.loaders.dummy import dummy_weights
-from compute.rope import default_inv_freq, inv_freq
+from compute.models.rope import default_inv_freq, inv_freq
 from tests.engine.test_loaders import TINY, _gguf_name, _write_gguf
 
 

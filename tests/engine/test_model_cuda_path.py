@@ -1,6 +1,6 @@
 """The whole model forward through the CUDA launchers, on the CPU.
 
-compute/model.py hands kernels/ops.py real step tensors (the fused qkv output
+compute/models/decoder.py hands kernels/ops.py real step tensors (the fused qkv output
 split, RoPE'd, reshaped) that no kernel-level test builds. Here a small model of
 SmolLM2's head layout (head dim 64, GQA 3) runs three engine-like steps (a
 prefill of several chunks, a mixed step, a decode step) with ops routed to
@@ -28,7 +28,7 @@ import torch
 
 from compute.core.config import ModelConfig
 from compute.loaders.dummy import dummy_weights
-from compute.model import LlamaModel
+from compute.models.decoder import DecoderModel
 from kernels import ops
 from kernels.cuda import attention_plan
 from kernels.cuda import launch as cuda
@@ -59,13 +59,13 @@ WINDOWED = replace(
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return LlamaModel(CONFIG, dummy_weights(CONFIG, DTYPE, "cpu", seed=5))
+def model() -> DecoderModel:
+    return DecoderModel(CONFIG, dummy_weights(CONFIG, DTYPE, "cpu", seed=5))
 
 
 @pytest.fixture(scope="module")
-def windowed_model() -> LlamaModel:
-    return LlamaModel(WINDOWED, dummy_weights(WINDOWED, DTYPE, "cpu", seed=5))
+def windowed_model() -> DecoderModel:
+    return DecoderModel(WINDOWED, dummy_weights(WINDOWED, DTYPE, "cpu", seed=5))
 
 
 def new_caches():
@@ -76,7 +76,7 @@ def new_caches():
     ]
 
 
-def run_steps(model: LlamaModel) -> list[torch.Tensor]:
+def run_steps(model: DecoderModel) -> list[torch.Tensor]:
     """The hidden states of every step, on fresh NaN-filled caches with scattered blocks."""
     rng = random.Random(3)
     free = list(range(24))

@@ -23,7 +23,7 @@ from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, Schedul
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
 from compute.loaders.default_model import default_model_path
-from compute.model import LlamaModel
+from compute.models.decoder import DecoderModel
 from kernels import reference
 from kernels.metadata import AttentionMetadata
 
@@ -253,7 +253,7 @@ class _StandaloneModel:
 
     BLOCK = 16
 
-    def __init__(self, model: LlamaModel, blocks: int = 32, kv_dtype: str = "float32") -> None:
+    def __init__(self, model: DecoderModel, blocks: int = 32, kv_dtype: str = "float32") -> None:
         self.model = model
         cfg = self.model.config
         shape = (2 * blocks, self.BLOCK, cfg.num_kv_heads, cfg.head_dim)

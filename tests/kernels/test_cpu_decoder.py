@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from compute.loaders import load_model
-from compute.model import LlamaModel
+from compute.models.decoder import DecoderModel
 from kernels import reference
 from kernels.cpu import launch as cpu
 from kernels.metadata import AttentionMetadata
@@ -23,15 +23,17 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module", params=["quantized", "quantized-int8"])
-def model(request) -> LlamaModel:
+def model(request) -> DecoderModel:
     loaded = load_model("default", dtype=torch.float32, device=torch.device("cpu"), quantized=True)
-    model = LlamaModel(loaded.config, loaded.weights, native=True, int8=request.param.endswith("8"))
+    model = DecoderModel(
+        loaded.config, loaded.weights, native=True, int8=request.param.endswith("8")
+    )
     assert model.fused_layers  # every projection of the default model is quantized
     return model
 
 
 def _caches(
-    model: LlamaModel, num_blocks: int, seed: int, kv_dtype: torch.dtype = torch.float32
+    model: DecoderModel, num_blocks: int, seed: int, kv_dtype: torch.dtype = torch.float32
 ) -> list[tuple[torch.Tensor, ...]]:
     """Random caches: the keys before each sequence's new tokens must hold something."""
     cfg, g = model.config, torch.Generator().manual_seed(seed)
@@ -169,8 +171,8 @@ def test_fused_layers_apply_gemmas_deltas(model) -> None:
     per-op path's bits, and the deltas change the result."""
     import dataclasses
 
-    from compute import rope
-    from compute.model import RotaryEmbedding
+    from compute.models import rope
+    from compute.models.decoder import RotaryEmbedding
 
     meta, positions, blocks = _step([23, 1, 1], [60, 70, 9])
     token_ids = torch.randint(0, model.config.vocab_size, (25,), generator=torch.Generator())

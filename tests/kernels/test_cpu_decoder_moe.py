@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from compute.loaders import load_model
-from compute.model import LlamaModel
-from compute.moe import MoE
+from compute.models.decoder import DecoderModel
+from compute.models.moe import MoE
 from kernels.cpu import launch as cpu
 from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedWeight
@@ -58,7 +58,7 @@ def _quantized(rows: int, cols: int, fmt: str, g: torch.Generator) -> QuantizedW
     return QuantizedWeight.from_gguf(fmt, torch.from_numpy(np.ascontiguousarray(blocks)), cols)
 
 
-def moe_model(embedded, family: str, int8: bool, ties: bool = False) -> LlamaModel:
+def moe_model(embedded, family: str, int8: bool, ties: bool = False) -> DecoderModel:
     """The embedded model's first LAYERS layers with `family`'s experts. ``ties``: every
     router row repeated three times (experts 0-2 score alike, then 3-5, ...)."""
     experts, top_k, normalize, dense, qk_norm = FAMILIES[family]
@@ -88,7 +88,7 @@ def moe_model(embedded, family: str, int8: bool, ties: bool = False) -> LlamaMod
             weights[q + "gate_proj.weight"] = _quantized(INTER, h, "q4_0", g)
             weights[q + "up_proj.weight"] = _quantized(INTER, h, "q4_0", g)
             weights[q + "down_proj.weight"] = _quantized(h, INTER, "q8_0", g)
-    model = LlamaModel(config, weights, native=True, int8=int8)
+    model = DecoderModel(config, weights, native=True, int8=int8)
     assert model.fused_layers  # every projection quantized, every MoE layer's experts too
     return model
 
@@ -104,7 +104,7 @@ def _batch(query_lens: list[int], context_lens: list[int]):
     return tables, positions, next_block
 
 
-def _forward(model: LlamaModel, fused: bool, token_ids, query_lens, context_lens, tables,
+def _forward(model: DecoderModel, fused: bool, token_ids, query_lens, context_lens, tables,
              positions, blocks: int):  # fmt: skip
     """(hidden states, caches, experts run) of one forward on fresh random caches."""
     model.fused_layers = fused
@@ -117,13 +117,13 @@ def _forward(model: LlamaModel, fused: bool, token_ids, query_lens, context_lens
     return out, caches, _expert_runs(model) - runs
 
 
-def _expert_runs(model: LlamaModel) -> int:
+def _expert_runs(model: DecoderModel) -> int:
     return sum(layer.moe.expert_runs for layer in model.layers if layer.moe is not None)
 
 
 @pytest.fixture(scope="module", params=[(f, m) for f in FAMILIES for m in ("exact", "int8")],
                 ids=lambda p: f"{p[0]}-{p[1]}")  # fmt: skip
-def model(request, embedded) -> LlamaModel:
+def model(request, embedded) -> DecoderModel:
     family, mode = request.param
     return moe_model(embedded, family, mode == "int8")
 
@@ -177,7 +177,7 @@ def test_forced_ties_go_to_the_lower_expert_id(embedded, family: str, monkeypatc
     fused, _, _ = _forward(model, True, *args)
     for layer in model.layers:
         if layer.moe is not None:
-            layer.moe.table = None  # the per-op loop over experts (compute/moe.py)
+            layer.moe.table = None  # the per-op loop over experts (compute/models/moe.py)
     loop, _, _ = _forward(model, False, *args)
     assert torch.equal(loop, fused)
 

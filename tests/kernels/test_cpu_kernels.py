@@ -122,8 +122,8 @@ def nan_cache(blocks: int, block_size: int, kv_heads: int, dim: int, dtype) -> t
 def test_rope_and_cache_matches_the_model_rotary_and_cache_write(kv_dtype):
     """A 16-bit cache holds K and V rounded once, to nearest as torch's .to() rounds: the
     kernel's write and the reference's give the same bits."""
-    from compute.model import RotaryEmbedding
-    from compute.rope import default_inv_freq
+    from compute.models.decoder import RotaryEmbedding
+    from compute.models.rope import default_inv_freq
 
     heads, kv_heads, dim, tokens = 6, 2, 32, 5
     rope = RotaryEmbedding(default_inv_freq(dim, 10000.0), 64, "cpu", torch.float32)

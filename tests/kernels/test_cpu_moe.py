@@ -1,5 +1,5 @@
 """The mixture-of-experts kernel (kernels/csrc/cpu/moe.cpp): every expert of a step in one
-call, bit-identical to compute/moe.py's per-op path (the same kernels in the same order),
+call, bit-identical to compute/models/moe.py's per-op path (the same kernels in the same order),
 each token's output the same bits alone as in any batch, in every block format the
 quantized linear kernels read, exact and int8."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from compute.model import Projection, fuse
-from compute.moe import Expert, MoE
+from compute.models.decoder import Projection, fuse
+from compute.models.moe import Expert, MoE
 from kernels.cpu import launch as cpu
 from kernels.quant import FORMATS, QuantizedWeight
 from tests.kernels.test_cpu_kquants import HALVES, random_blocks
@@ -97,7 +97,7 @@ def test_mixed_formats_in_one_expert_fall_back_to_per_op() -> None:
 
 
 def _reference_route(router, x, top_k, normalize, higher_ties=False):
-    """compute/moe.py's torch router, with torch.topk (whose order among equal values is
+    """compute/models/moe.py's torch router, with torch.topk (whose order among equal values is
     unspecified) replaced by a stable sort: ties to the lower expert id (or the higher)."""
     moe = MoE(router, [], top_k, normalize, native=False)
     logits = torch.cat([(x[i : i + 16, None, :] * router).sum(-1) for i in range(0, len(x), 16)])

@@ -1,5 +1,5 @@
 // Every decoder layer of a step in one call: the same kernels, in the same order and with
-// the same arguments as compute/model.py's per-op path (so the results are bit-identical),
+// the same arguments as compute/models/decoder.py's per-op path (so the results are bit-identical),
 // without ~9 Python launcher calls per layer (~1.4 ms of a ~8 ms decode step on 2 cores).
 //
 // The layers come as a table of int64, kLayerFields per layer (kernels/cpu/launch.py
@@ -7,7 +7,7 @@
 // pointer or 0), then the post-attention norm, the next layer's input norm (the final
 // norm after the last layer), the layer's key and value caches, its sliding window
 // (0 = none), its per-head q and k RMSNorm weights (Qwen3, Gemma 3; 0 = none), applied to
-// the fused q|k|v row before RoPE as compute/model.py's _qk_norm does, and Gemma's deltas:
+// the fused q|k|v row before RoPE as compute/models/decoder.py's _qk_norm does, and Gemma's deltas:
 // the RMSNorms of the attention and MLP outputs before each residual add (0 = none), the
 // MLP's activation (0 SiLU, 1 tanh GELU), the attention soft-cap (a float's bits; 0 =
 // none) and the layer's own RoPE tables (Gemma 3's sliding layers; 0 = the call's); then a

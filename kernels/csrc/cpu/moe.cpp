@@ -1,4 +1,4 @@
-// The mixture-of-experts MLP of one layer for one step (compute/moe.py), in one call: the
+// The mixture-of-experts MLP of one layer for one step (compute/models/moe.py), in one call: the
 // router, then the chosen experts. hr_decoder_layers (decoder.cpp) runs the same code for
 // its MoE layers, so the per-op path and the fused one give the same bits.
 //
@@ -127,7 +127,7 @@ void run_expert(const int64_t* expert, bool int8, const float* x, const int64_t*
 }
 
 // Each of the expert's rows times its weight, then added to its token's output
-// (compute/moe.py's two ops).
+// (compute/models/moe.py's two ops).
 __attribute__((optimize("fp-contract=off"))) void add_expert(
     const int64_t* picks, int64_t n, int64_t h, int64_t top_k, const float* weights, float* ys,
     float* out) {

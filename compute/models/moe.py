@@ -8,7 +8,7 @@ times its weight, summed in ascending expert order (transformers' order).
 The step's tokens are grouped by expert: each expert some token chose runs once, on all
 its tokens (so for prefill its weights are read once per step, not once per token), and
 an expert no token chose is not read at all. Every expert's projections are
-compute.model.Projection objects, so a GGUF file's experts stay in their blocks on the
+compute.models.decoder.Projection objects, so a GGUF file's experts stay in their blocks on the
 CPU kernels, in either numerics (--weights quantized / quantized-int8).
 
 Two implementations: on the CPU kernels (``native``) the router is one kernel call
@@ -41,8 +41,8 @@ _ROUTER_CHUNK = 16
 
 @dataclass
 class Expert:
-    gate_up: object  # compute.model.Projection [2 I, H]
-    down: object  # compute.model.Projection [H, I]
+    gate_up: object  # compute.models.decoder.Projection [2 I, H]
+    down: object  # compute.models.decoder.Projection [H, I]
 
 
 class MoE:

@@ -1,6 +1,6 @@
 """RoPE inverse frequencies for every RoPE type headrace serves, as transformers computes them.
 
-The model builds its cos/sin table from these once (compute/model.py RotaryEmbedding), so a
+The model builds its cos/sin table from these once (compute/models/decoder.py RotaryEmbedding), so a
 RoPE variant costs nothing per step and needs no kernel of its own. A type not listed in
 compute.core.config.ROPE_TYPES never gets here: the loaders refuse it.
 """

@@ -1,4 +1,6 @@
-"""A Llama-family decoder over a paged KV cache.
+"""The decoder every supported family runs: Llama's, with each family's deltas (Gemma's
+sandwich norms, soft-caps and GeGLU, Qwen's q/k norms and biases, sliding windows, MoE)
+over a paged KV cache.
 
 The model sees a flat, unpadded batch ``(token_ids, positions)`` and one
 ``AttentionMetadata``; it knows nothing of requests or scheduling. Weights
@@ -26,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from compute import rope
 from compute.core.config import ModelConfig
-from compute.moe import Expert, MoE
+from compute.models import rope
+from compute.models.moe import Expert, MoE
 from kernels import ops
 from kernels.cpu import launch as cpu
 from kernels.metadata import AttentionMetadata
@@ -90,7 +92,8 @@ class LayerWeights:
     down: Projection | None  # [H, I]
     q_norm: torch.Tensor | None = None  # [D], Qwen3's RMSNorm of each q head before RoPE
     k_norm: torch.Tensor | None = None  # [D], the same for each k head
-    moe: MoE | None = None  # the mixture-of-experts MLP (compute/moe.py) instead of gate_up/down
+    # The mixture-of-experts MLP (compute/models/moe.py), in place of gate_up/down.
+    moe: MoE | None = None
     # Gemma's sandwich norms: RMSNorm of the attention / MLP output before its residual add
     # (HF post_attention_layernorm / post_feedforward_layernorm; post_norm is then HF's
     # pre_feedforward_layernorm, the MLP's input norm).
@@ -104,7 +107,7 @@ class RotaryEmbedding:
     """HF-layout RoPE (rotate_half) with a cos/sin table indexed by absolute position."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, device, dtype) -> None:
-        """inv_freq: [head_dim / 2] fp32 (compute/rope.py, any RoPE type)."""
+        """inv_freq: [head_dim / 2] fp32 (compute/models/rope.py, any RoPE type)."""
         head_dim = 2 * inv_freq.shape[0]
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -121,7 +124,7 @@ class RotaryEmbedding:
         return x * cos + rotated * sin
 
 
-class LlamaModel:
+class DecoderModel:
     def __init__(
         self,
         config: ModelConfig,
@@ -168,7 +171,7 @@ class LlamaModel:
         # per step. Tests turn it off to compare the two.
         # Per-head q/k norms (Qwen3, Gemma 3), Gemma's deltas (output norms, GeGLU, the
         # attention soft-cap, the sliding layers' RoPE tables) and mixture-of-experts layers
-        # whose experts have a kernel table (router and experts, compute/moe.py) are in it.
+        # whose experts have a kernel table (router and experts, compute/models/moe.py) are in it.
         self.fused_layers = (
             native
             and config.hidden_act in ("silu", "gelu_tanh")
@@ -321,7 +324,7 @@ class LlamaModel:
 
 def _fusable(layer: LayerWeights) -> bool:
     """Whether hr_decoder_layers can run the layer: every projection quantized, a MoE
-    MLP's experts in one kernel table (compute/moe.py)."""
+    MLP's experts in one kernel table (compute/models/moe.py)."""
     mlp = (layer.gate_up, layer.down) if layer.moe is None else ()
     quantized = all(p.quantized is not None for p in (layer.qkv, layer.o_proj, *mlp))
     return quantized and (layer.moe is None or layer.moe.table is not None)

@@ -1,0 +1,1 @@
+"""The model: the decoder every family runs, its mixture-of-experts MLP, RoPE frequencies."""
