@@ -37,7 +37,7 @@ from compute.core.config import CacheConfig, DeviceConfig, EngineConfig  # noqa:
 from compute.core.sampling_params import SamplingParams  # noqa: E402
 from compute.core.sequence import Sequence  # noqa: E402
 from compute.engine import Engine  # noqa: E402
-from compute.sampler import Sampler  # noqa: E402
+from compute.sampling.sampler import Sampler  # noqa: E402
 from services.pipeline.domain import Complete, GenerateInput  # noqa: E402
 from services.pipeline.pipeline import Pipeline, PipelineConfig  # noqa: E402
 

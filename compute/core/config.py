@@ -285,7 +285,7 @@ class SpeculativeConfig:
     num_tokens tokens that followed it, at most 2n - 1 of them (a one-token match risks
     one draft token, a longer one the whole draft: compute/core/ngram.py); the step scores
     the sequence's last token and the draft together, and the sampler keeps the longest
-    prefix the model agrees with plus one token of its own (compute/sampler.py). Output
+    prefix the model agrees with plus one token of its own (compute/sampling/sampler.py). Output
     is the same as without it (greedy: token for token; sampling: in distribution).
     Drafts are only made while at most max_batch sequences run, never for requests with
     penalties, and only with synchronous output (compute/engine.py).

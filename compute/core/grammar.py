@@ -2,8 +2,8 @@
 
 A ``Constraint`` is the request's own words (a JSON schema's text, a regex, an EBNF grammar,
 a list of choices, JSON-object mode); ``CompiledGrammar`` is what the grammar compiler
-(compute/grammar_compiler.py) made of it in stage 1, carried to stage 2 in
-``SamplingParams.grammar``, where compute/constraints.py gives each request a matcher of
+(compute/sampling/grammar_compiler.py) made of it in stage 1, carried to stage 2 in
+``SamplingParams.grammar``, where compute/sampling/grammar_masks.py gives each request a matcher of
 its own. Pure records: no llguidance import here (the compiled template is opaque).
 """
 

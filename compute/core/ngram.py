@@ -3,7 +3,7 @@
 The draft for a sequence is what followed the latest earlier occurrence of its last n
 tokens, for the largest n in [ngram_min, ngram_max] that occurs earlier (in prompt +
 output): a sequence that copies or lightly edits its input is then guessed a few tokens
-ahead, and one step verifies the guess (compute/core/scheduler.py, compute/sampler.py).
+ahead, and one step verifies the guess (compute/core/scheduler.py, compute/sampling/sampler.py).
 
 How far to guess depends on how much agreed: a match of n tokens proposes at most 2n - 1
 (1 after a single matching token, 3 after two, 5 after three). A one-token match is a weak

@@ -44,10 +44,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: bool = False  # return the sampled token's logprob
     top_logprobs: int = 0  # also return this many alternatives (<= 20)
-    # (token id, bias) pairs, ids ascending: added to the logits (compute/logit_processors.py)
+    # (token id, bias) pairs, ids ascending: added to the logits
+    # (compute/sampling/logit_processors.py)
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # EOS, stop tokens and stop strings do not end it before this many
-    # A compiled grammar constraint (compute/constraints.py): compiled by stage 1, whose
+    # A compiled grammar constraint (compute/sampling/grammar_masks.py): compiled by stage 1, whose
     # output must match it; None = unconstrained.
     grammar: CompiledGrammar | None = None
 
@@ -126,7 +127,7 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Sampling reads the tokens generated so far (compute/penalties.py)."""
+        """Sampling reads the tokens generated so far (compute/sampling/penalties.py)."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0

@@ -480,7 +480,7 @@ class Scheduler:
         """Why ``seq`` stops at its ``num_output``-th output token, ``token_id``."""
         params = seq.sampling_params
         # The first min_tokens tokens were sampled with the stop tokens masked
-        # (compute/logit_processors.py): none of them ends the request.
+        # (compute/sampling/logit_processors.py): none of them ends the request.
         stops = num_output > params.min_tokens
         if stops and token_id in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP, token_id

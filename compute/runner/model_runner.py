@@ -36,7 +36,7 @@ from compute.fault_injection import FaultInjector
 from compute.models.decoder import DecoderModel
 from compute.runner.cuda_graphs import DecodeGraphs
 from compute.runner.step_batch import StepBatch
-from compute.sampler import LogprobRows, Sampler
+from compute.sampling.sampler import LogprobRows, Sampler
 from kernels.metadata import AttentionMetadata
 from kernels.reference import kv_row_width
 from kernels.transfer import device_tensor

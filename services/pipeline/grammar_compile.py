@@ -22,7 +22,7 @@ from importlib.metadata import version
 
 from compute.core.errors import FieldError
 from compute.core.grammar import KINDS, MAX_CONSTRAINT_CHARS, CompiledGrammar, Constraint
-from compute.grammar_compiler import GrammarCompiler
+from compute.sampling.grammar_compiler import GrammarCompiler
 from services.telemetry.metrics import NO_METRICS, Metrics
 
 SUPPORTED_KINDS = KINDS

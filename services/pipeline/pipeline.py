@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from compute.core.errors import FieldError
 from compute.core.messages import Abort, AddRequest, EngineStats, Shutdown
-from compute.grammar_compiler import GrammarCompiler
+from compute.sampling.grammar_compiler import GrammarCompiler
 from compute.step_loop import Inbound, StepLoop, run_step_loop
 from kernels.log import get_logger
 from services.pipeline.domain import (

@@ -217,7 +217,8 @@ class Metrics:
                                      buckets=_POW2, registry=r)  # fmt: skip
 
     def _add_grammar_metrics(self, r: CollectorRegistry) -> None:
-        """Grammar constraints (compute/constraints.py, services/pipeline/grammar_compile.py)."""
+        """Grammar constraints (compute/sampling/grammar_masks.py,
+        services/pipeline/grammar_compile.py)."""
         self.constrained_requests = Counter(
             "headrace_constrained_requests", "Requests admitted with a grammar constraint",
             ["kind"], registry=r,

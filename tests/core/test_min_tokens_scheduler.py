@@ -1,5 +1,5 @@
 """min_tokens in the scheduler: no stop token ends a request before it (the sampler masks
-them, compute/logit_processors.py; a token that still comes through is not a stop), and no
+them, compute/sampling/logit_processors.py; a token that still comes through is not a stop), and no
 draft is made for it meanwhile (each draft position would need its own mask)."""
 
 from __future__ import annotations

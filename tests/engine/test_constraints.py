@@ -23,7 +23,7 @@ from compute.core.grammar import CompiledGrammar, Constraint
 from compute.core.messages import FinishReason
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
-from compute.grammar_compiler import GrammarCompiler
+from compute.sampling.grammar_compiler import GrammarCompiler
 from tests.engine.test_engine import prompts, shared_model
 from tests.support.schemas import ORDER, PERSON, WEATHER_TOOL
 

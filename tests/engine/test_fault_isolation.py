@@ -19,7 +19,7 @@ from compute.engine import Engine
 from compute.fault_injection import FaultInjector
 from compute.runner.fault_isolation import FAULT_MESSAGE
 from compute.runner.model_runner import BAD_TOKEN_MESSAGE
-from compute.sampler import apply_top_k_top_p
+from compute.sampling.sampler import apply_top_k_top_p
 
 BAD = "bad"
 

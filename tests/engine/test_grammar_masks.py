@@ -1,4 +1,4 @@
-"""GrammarMasks on its own (compute/constraints.py): the host path masks in place exactly
+"""GrammarMasks on its own (compute/sampling/grammar_masks.py): the host path masks in place exactly
 as the device path and llguidance's reference do, touches no unconstrained row, and the
 parallel fill writes the same bitmask as the serial one. The engine-level behaviour is in
 test_constraints.py."""
@@ -13,11 +13,11 @@ import pytest
 import torch
 from llguidance.numpy import apply_token_bitmask_inplace
 
-from compute.constraints import GrammarFault, GrammarMasks, _runs, mask_in_place
 from compute.core.grammar import Constraint
 from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import PLACEHOLDER, Sequence
-from compute.grammar_compiler import GrammarCompiler
+from compute.sampling.grammar_compiler import GrammarCompiler
+from compute.sampling.grammar_masks import GrammarFault, GrammarMasks, _runs, mask_in_place
 from tests.engine.test_engine import shared_model
 from tests.support.schemas import ORDER, PERSON
 

@@ -1,4 +1,4 @@
-"""logit_bias and min_tokens in the sampler (compute/logit_processors.py): only the rows
+"""logit_bias and min_tokens in the sampler (compute/sampling/logit_processors.py): only the rows
 that ask are touched, a step without them pays nothing, and the engine's real model
 obeys them (a -100 bias moves the greedy first token, +100 forces one, min_tokens holds
 off EOS)."""
@@ -11,8 +11,8 @@ import torch
 from compute.core.errors import FieldError
 from compute.core.sampling_params import SamplingParams, logit_bias_entries
 from compute.core.sequence import Sequence
-from compute.logit_processors import process_logits
-from compute.sampler import Sampler
+from compute.sampling.logit_processors import process_logits
+from compute.sampling.sampler import Sampler
 
 VOCAB = 64
 EOS = (2,)

@@ -16,11 +16,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-import compute.sampler as sampler_module
+import compute.sampling.sampler as sampler_module
 from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
-from compute.penalties import Penalties
-from compute.sampler import Sampler, truncate
+from compute.sampling.penalties import Penalties
+from compute.sampling.sampler import Sampler, truncate
 from kernels.cpu import launch as cpu_kernels
 
 VOCAB = 64

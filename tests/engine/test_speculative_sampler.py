@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from compute.core.sampling_params import SamplingParams
-from compute.sampler import Sampler, truncate
+from compute.sampling.sampler import Sampler, truncate
 from tests.engine.test_sampler import make_seq
 
 V = 5

@@ -2,7 +2,7 @@
 
 The model runner calls ``Sampler.sample`` once per step with the logits of the sequences
 that sample, one row per sequence in schedule order. Per row: logit_bias and min_tokens
-(compute/logit_processors.py), penalties, then either greedy argmax (temperature 0) or
+(compute/sampling/logit_processors.py), penalties, then either greedy argmax (temperature 0) or
 temperature -> top-k -> top-p -> min-p -> random draw.
 Every stage is batched over the rows with per-row parameter tensors, and a stage that
 no row asks for is skipped entirely (no sort without top-k/top-p, no log_softmax
@@ -14,7 +14,7 @@ Conventions:
   means argmax of the penalized logits, ties broken by the lowest token id.
 - Logprobs are vLLM's "raw" logprobs: log_softmax of the model's logits as given,
   before penalties, temperature and truncation, but after a request's grammar mask
-  (compute/constraints.py, applied first): a constrained request's logprobs are those of
+  (compute/sampling/grammar_masks.py, applied first): a constrained request's logprobs are those of
   the distribution over the tokens its grammar allows, and never list a forbidden token
   (as vLLM, which masks before its sampler).
 - Random draws invert the CDF: one uniform ``u`` per row picks the first token whose
@@ -52,13 +52,13 @@ from __future__ import annotations
 
 import torch
 
-from compute.constraints import GrammarMasks
 from compute.core.messages import TokenLogprob
 from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
 from compute.fault_injection import FaultInjector
-from compute.logit_processors import process_logits
-from compute.penalties import Penalties
+from compute.sampling.grammar_masks import GrammarMasks
+from compute.sampling.logit_processors import process_logits
+from compute.sampling.penalties import Penalties
 from kernels.cpu import launch as cpu_kernels
 from kernels.transfer import device_tensor
 

@@ -1,6 +1,6 @@
 """Repetition, presence and frequency penalties, applied to a batch of logits on the device.
 
-The first stage of the sampler (``compute/sampler.py``): it runs before temperature
+The first stage of the sampler (``compute/sampling/sampler.py``): it runs before temperature
 and truncation, on the rows whose requests ask for a penalty, and costs nothing when
 no row does. Token histories become count tensors with one ``scatter_add`` over padded
 id tensors, never a Python loop over the vocabulary.

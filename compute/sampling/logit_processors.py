@@ -1,6 +1,6 @@
 """Per-request logit edits that run before penalties and the sampling filters.
 
-The sampler (compute/sampler.py) calls ``process_logits`` once per step, first of all:
+The sampler (compute/sampling/sampler.py) calls ``process_logits`` once per step, first of all:
 
 - ``logit_bias`` (OpenAI semantics): a request's bias for a token id is added to that
   token's logit in the request's row, so -100 all but bans a token and +100 all but

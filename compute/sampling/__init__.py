@@ -1,0 +1,1 @@
+"""Sampling on the device: grammar masks, logit processors, penalties, truncation, draws."""
