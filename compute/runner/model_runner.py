@@ -32,10 +32,10 @@ from compute.core.config import (
 )
 from compute.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from compute.core.sequence import Sequence
-from compute.fault_injection import FaultInjector
 from compute.models.decoder import DecoderModel
 from compute.runner.cuda_graphs import DecodeGraphs
 from compute.runner.step_batch import StepBatch
+from compute.sampling.fault_hook import FaultHook
 from compute.sampling.sampler import LogprobRows, Sampler
 from kernels.metadata import AttentionMetadata
 from kernels.reference import kv_row_width
@@ -183,7 +183,7 @@ class ModelRunner:
             tuple(model.config.eos_token_ids),
             native_argmax=model.native,
         )
-        self._faults: FaultInjector | None = None  # test-only (compute/fault_injection.py)
+        self._faults: FaultHook | None = None  # tests only (compute/sampling/fault_hook.py)
         # request id -> (device ids, row) of the tokens sampled by the current and the
         # previous step: where a PLACEHOLDER input's id is read from.
         self._step_ids: dict[str, tuple[torch.Tensor, int]] = {}
@@ -194,11 +194,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps (the engine's)
 
     @property
-    def faults(self) -> FaultInjector | None:
+    def faults(self) -> FaultHook | None:
         return self._faults
 
     @faults.setter
-    def faults(self, injector: FaultInjector | None) -> None:
+    def faults(self, injector: FaultHook | None) -> None:
         self._faults = injector
         self.sampler.faults = injector
         self.forward_end = 0.0  # perf_counter() after the latest forward, for StepTiming

@@ -55,7 +55,7 @@ import torch
 from compute.core.messages import TokenLogprob
 from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
-from compute.fault_injection import FaultInjector
+from compute.sampling.fault_hook import FaultHook
 from compute.sampling.grammar_masks import GrammarMasks
 from compute.sampling.logit_processors import process_logits
 from compute.sampling.penalties import Penalties
@@ -90,7 +90,7 @@ class Sampler:
         self._request_generators: dict[str, torch.Generator] = {}
         # Generator states before the last sample call's draws (see ``rewind``).
         self._states_before: list[tuple[torch.Generator, torch.Tensor]] = []
-        self.faults: FaultInjector | None = None  # test-only (compute/fault_injection.py)
+        self.faults: FaultHook | None = None  # tests only (compute/sampling/fault_hook.py)
         self.native_argmax = native_argmax
 
     def sample(

@@ -16,10 +16,10 @@ import torch
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
-from compute.fault_injection import FaultInjector
 from compute.runner.fault_isolation import FAULT_MESSAGE
 from compute.runner.model_runner import BAD_TOKEN_MESSAGE
 from compute.sampling.sampler import apply_top_k_top_p
+from tests.support.fault_injection import FaultInjector
 
 BAD = "bad"
 

@@ -27,9 +27,9 @@ from compute.core.config import (
 )
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
-from compute.fault_injection import FaultInjector
 from compute.loaders import LoadedModel
 from tests.engine.test_engine import prompts, shared_model
+from tests.support.fault_injection import FaultInjector
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

@@ -558,7 +558,7 @@ def test_issue_top_p_request_is_refused_and_its_neighbour_completes(real: Runnin
 
 @pytest.mark.slow
 def test_injected_engine_fault_fails_only_its_request(real: RunningServer) -> None:
-    from compute.fault_injection import FaultInjector
+    from tests.support.fault_injection import FaultInjector
 
     real.engine.runner.faults = FaultInjector(raise_in_forward={"victim"}, after_tokens=2)
     try:

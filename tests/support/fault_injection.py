@@ -1,9 +1,10 @@
-"""Test-only fault injection into one request's forward pass or sampling.
+"""Fault injection into one request's forward pass or sampling: a FaultHook for tests.
 
 Off by default: the model runner and the sampler hold ``faults = None`` and check it
 with one ``is None`` test per step. Tests set ``engine.runner.faults`` (which the
 runner hands to its sampler) to a ``FaultInjector`` naming the requests to hurt, so the
-engine's fault isolation can be checked on a real model with a real mixed batch.
+engine's fault isolation can be checked on a real model with a real mixed batch. It
+satisfies ``compute.sampling.fault_hook.FaultHook``.
 """
 
 from __future__ import annotations
