@@ -18,7 +18,7 @@ import torch
 
 from bench.common import load_average, publish
 from compute.loaders.default_model import default_model_path
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 from tests.support.schemas import SCHEMAS
 
 # Both libraries emit compact JSON (no whitespace), so both walk the same token sequences.

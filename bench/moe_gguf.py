@@ -132,7 +132,7 @@ def hf_config(shape: Shape):
 def save_tokenizer(directory: Path) -> None:
     """The embedded SmolLM2's tokenizer as an HF tokenizer.json (what the converter reads)."""
     from compute.loaders.default_model import default_model_path
-    from compute.tokenizer import Tokenizer
+    from compute.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_model_path())
     tok.hf.save(str(directory / "tokenizer.json"))

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from compute.core.config import ModelConfig
-from compute.tokenizer import Tokenizer, read_chat_template
+from compute.tokenizer.chat_template import read_chat_template
+from compute.tokenizer.tokenizer import Tokenizer
 from kernels.quant import QuantizedWeight
 
 DUMMY_PREFIX = "dummy:"

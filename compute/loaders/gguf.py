@@ -22,7 +22,8 @@ from tqdm import tqdm
 from compute.core.config import ModelConfig
 from compute.loaders.base import LoadedModel, ModelLoadError, check_weights
 from compute.loaders.memory_check import check_fits
-from compute.tokenizer import Tokenizer, gguf_field
+from compute.tokenizer.gguf_vocab import gguf_field
+from compute.tokenizer.tokenizer import Tokenizer
 from kernels.log import get_logger
 from kernels.quant import QuantizedWeight
 

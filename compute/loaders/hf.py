@@ -17,7 +17,7 @@ from tqdm import tqdm
 from compute.core.config import ROPE_TYPES, ModelConfig
 from compute.loaders.base import PICKLE_SUFFIXES, LoadedModel, ModelLoadError, check_weights
 from compute.loaders.memory_check import check_fits
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 from kernels.log import get_logger
 
 log = get_logger(__name__)

@@ -62,7 +62,7 @@ class GrammarCompiler:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:
-        """For a compute.tokenizer.Tokenizer; ``vocab_size`` is the model's (the logits'
+        """For a compute.tokenizer.tokenizer.Tokenizer; ``vocab_size`` is the model's (the logits'
         width, which may exceed the tokenizer's)."""
         return cls(tokenizer.hf.to_str(), vocab_size, tuple(tokenizer.eos_token_ids))
 

@@ -28,7 +28,7 @@ from compute.core.messages import (
     Shutdown,
     StepOutputs,
 )
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 from kernels.log import get_logger
 from services.pipeline.domain import Chunk, Complete, EngineFault, RequestError, Unavailable
 from services.pipeline.request_state import Event, Outcome, RequestState, RequestStream

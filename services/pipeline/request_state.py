@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from compute.core.messages import AddRequest, FinishReason, RequestOutput
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 from services.pipeline.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from services.pipeline.domain import Chunk, Complete, EngineFault, RequestError, Timing, Usage
 from services.pipeline.stop_strings import StopResult, StopStringMatcher

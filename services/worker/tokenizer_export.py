@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from compute.tokenizer import Tokenizer
+    from compute.tokenizer.tokenizer import Tokenizer
 
 FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

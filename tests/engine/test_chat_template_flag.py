@@ -15,7 +15,7 @@ import pytest
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
 from compute.engine import Engine
 from compute.loaders import LoadedModel, ModelLoadError, load_model, with_chat_template
-from compute.tokenizer import read_chat_template
+from compute.tokenizer.chat_template import read_chat_template
 from tests.engine.test_engine import shared_model
 from tests.support.fake_engine import smollm2_tokenizer
 from tests.support.tiny_vocab import GEMMA_LIKE_TEMPLATE, gemma_like

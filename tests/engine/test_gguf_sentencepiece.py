@@ -15,7 +15,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,7 +20,8 @@ from compute.loaders import load_model
 from compute.loaders.base import LoadedModel, ModelLoadError, expected_shapes
 from compute.loaders.default_model import default_model_path
 from compute.loaders.dummy import SHAPES, dummy_config, dummy_weights
-from compute.tokenizer import Tokenizer, bytes_to_unicode
+from compute.tokenizer.gguf_vocab import bytes_to_unicode
+from compute.tokenizer.tokenizer import Tokenizer
 
 TINY = SHAPES["tiny"]
 TINY_QWEN = ModelConfig(

@@ -23,7 +23,7 @@ from compute.loaders import ModelLoadError, load_model
 from compute.loaders.base import LoadedModel
 from compute.loaders.default_model import default_model_path
 from compute.loaders.hf import _layer_types, _sliding_window
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

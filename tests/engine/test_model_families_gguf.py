@@ -29,7 +29,7 @@ import torch
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.engine import Engine
 from compute.loaders import ModelLoadError, load_model
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 from tests.engine.test_gemma3_270m import CHAT, CHAT_TEMPLATE
 from tests.engine.test_gguf_sentencepiece import TEXTS
 from tests.engine.test_model_families import (

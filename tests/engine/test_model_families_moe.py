@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from compute.loaders import ModelLoadError, load_model
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 from tests.engine.test_model_families import (
     GREEDY,
     KERNELS,

@@ -27,7 +27,7 @@ from bench import requantize
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from compute.engine import Engine
 from compute.loaders import ModelLoadError, load_model
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 from tests.engine.test_model_families import GREEDY, PROMPTS, hf_greedy
 from tests.engine.test_model_families_gguf import CONVERTER_DIR, convert
 from tests.engine.test_model_families_moe import MOE_FAMILIES, build_moe_model

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from compute.loaders.default_model import default_model_path
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 from services.pipeline.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from tests.support.fake_engine import smollm2_tokenizer
 

@@ -12,7 +12,7 @@ import pytest
 
 from compute.core.errors import FieldError
 from compute.core.sampling_params import SamplingParams
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 from services.pipeline.domain import (
     ChatMessage,
     Chunk,

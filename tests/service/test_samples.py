@@ -11,7 +11,7 @@ import pytest
 
 from compute.core.errors import FieldError
 from compute.core.sampling_params import SamplingParams
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 from services.pipeline.domain import Chunk, Complete, GenerateInput
 from services.pipeline.pipeline import Pipeline, PipelineConfig
 from tests.service.test_pipeline import running

@@ -27,7 +27,7 @@ from compute.core.messages import (
 )
 from compute.core.sampling_params import SamplingParams
 from compute.engine import CompletionOutput
-from compute.tokenizer import Tokenizer
+from compute.tokenizer.tokenizer import Tokenizer
 
 
 @functools.cache

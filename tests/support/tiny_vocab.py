@@ -8,7 +8,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 from tokenizers.models import WordLevel
 
-from compute.tokenizer import Tokenizer, _bos_processor
+from compute.tokenizer.gguf_vocab import bos_processor as _bos_processor
+from compute.tokenizer.tokenizer import Tokenizer
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
 WORDS = SPECIALS + ["user", "model", "hi", "there"]

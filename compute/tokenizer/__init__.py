@@ -1,0 +1,1 @@
+"""The tokenizer: text <-> ids, GGUF vocabularies rebuilt for `tokenizers`, chat templates."""
