@@ -96,7 +96,7 @@ def stream_gb_s(threads: int, mib: int = 512) -> float:
 
 
 def rss_child(path: str, quantized: bool) -> None:
-    from compute.memory_report import process_rss_bytes
+    from compute.device.memory_report import process_rss_bytes
     from compute.models.decoder import DecoderModel
 
     loaded = load_model(path, quantized=quantized, progress=False)

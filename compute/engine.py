@@ -44,9 +44,9 @@ from compute.core.outputs import SchedulerOutput
 from compute.core.sampling_params import SamplingParams
 from compute.core.scheduler import Scheduler
 from compute.core.sequence import Sequence
+from compute.device.memory_report import log_memory
 from compute.device.selection import building_threads, cpu_execution, resolve_device
 from compute.loaders import LoadedModel, load_model, read_template_flag, with_chat_template
-from compute.memory_report import log_memory
 from compute.models.decoder import DecoderModel
 from compute.runner.cuda_graphs import DecodeGraphs, capture_or_eager
 from compute.runner.fault_isolation import launch_isolating

@@ -20,8 +20,8 @@ from bench.soak import summary as soak_summary
 from bench.soak.client import SoakRecord
 from bench.soak.requests import FIELD_CASES, UNKNOWN_FIELDS, WIRE_CASES, Expect
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
+from compute.device.memory_report import log_memory
 from compute.engine import Engine
-from compute.memory_report import log_memory
 from services.server.server_config import ServerConfig
 
 MIX = "normal:6,cancel:3,deadline:2,bad:18,oversized:2"

@@ -1,4 +1,4 @@
-"""compute/memory_report.py: tensors found wherever they sit, each storage counted once, and
+"""compute/device/memory_report.py: tensors found wherever they sit, each storage counted once, and
 the engine's breakdown matching the model's and the KV cache's own tensors."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
+from compute.device.memory_report import memory_breakdown, tensor_bytes
 from compute.engine import Engine
-from compute.memory_report import memory_breakdown, tensor_bytes
 
 
 @dataclass
