@@ -33,7 +33,7 @@ from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
 from compute.loaders.base import LoadedModel
 from compute.loaders.dummy import dummy_weights
-from kernels.quant import QuantizedWeight
+from kernels.cpu.quant import QuantizedWeight
 
 LLAMA = ModelConfig(
     name="qwen3-0.6b-shape", architecture="llama", vocab_size=151936, hidden_size=1024,

@@ -3,7 +3,7 @@
 A decode step reads every weight once; this times exactly that part of it (the projections
 of all layers in a step's order, then the lm_head) with one input row, for each file and
 --weights mode (``quantized``: the exact kernel on the file's blocks; ``quantized-int8``:
-the int8 kernel on kernels/quant.py for_int8's formats; ``quantized-int8, Q5_0/Q6_K as
+the int8 kernel on kernels/cpu/quant.py for_int8's formats; ``quantized-int8, Q5_0/Q6_K as
 Q8_0``: the same with every Q5_0 matrix widened to Q8_0 (exactly) and every Q6_K one
 requantized to Q8_0 at load, as for_int8 did before the int8 kernel read them, for files
 that have them; ``quantized-int8, Q4_K as Q4_1``: every Q4_K matrix converted to Q4_1 at
@@ -38,7 +38,7 @@ from bench import common
 from compute.loaders import load_model
 from compute.models.decoder import fuse
 from kernels.cpu import launch as cpu
-from kernels.quant import FORMATS
+from kernels.cpu.quant import FORMATS
 
 WIDENED = "quantized-int8, Q5_0/Q6_K as Q8_0"
 AS_Q4_1 = "quantized-int8, Q4_K as Q4_1"
@@ -52,7 +52,7 @@ def matrices(
     """Every projection of the file's model in a decode step's order, as the engine holds
     them (fused q|k|v and gate|up), then the lm_head. ``widen``: Q5_0 matrices as Q8_0
     (exactly: codes q - 16, the same d), Q6_K ones requantized to Q8_0; ``q4_1``: Q4_K
-    matrices as Q4_1 (kernels/quant.py as_q4_1); ``iq4``: IQ4_NL and IQ4_XS matrices
+    matrices as Q4_1 (kernels/cpu/quant.py as_q4_1); ``iq4``: IQ4_NL and IQ4_XS matrices
     requantized to Q8_0."""
     q = load_model(path, quantized=True, progress=False).weights
     if iq4:

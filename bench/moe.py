@@ -39,7 +39,7 @@ from compute.core.config import (
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
 from compute.loaders.base import LoadedModel, expected_shapes
-from kernels.quant import FORMATS, QuantizedWeight
+from kernels.cpu.quant import FORMATS, QuantizedWeight
 
 MOE = ModelConfig(
     name="moe-64x512-top8", architecture="llama", vocab_size=32768, hidden_size=1024,

@@ -15,7 +15,7 @@ import torch
 from compute.core.config import ModelConfig
 from compute.tokenizer.chat_template import read_chat_template
 from compute.tokenizer.tokenizer import Tokenizer
-from kernels.quant import QuantizedWeight
+from kernels.cpu.quant import QuantizedWeight
 
 DUMMY_PREFIX = "dummy:"
 # Loading these runs arbitrary code (pickle), so they are refused outright.

@@ -10,7 +10,7 @@ arrive with Hugging Face Llama names (compute/loaders/) and are fused here
 Two ways to run on the CPU, chosen by the engine (``native``):
 
 - the CPU kernels (kernels/cpu/launch.py): weights may stay in the GGUF file's blocks
-  (kernels/quant.py) and are expanded in registers inside each matmul; RMSNorm with
+  (kernels/cpu/quant.py) and are expanded in registers inside each matmul; RMSNorm with
   its residual add, RoPE with the cache write, attention over the paged cache and
   SiLU * up are one call each;
 - torch (the reference and the GPU path): dense weights; each dense projection keeps
@@ -33,8 +33,8 @@ from compute.models import rope
 from compute.models.moe import Expert, MoE
 from kernels import ops
 from kernels.cpu import launch as cpu
+from kernels.cpu.quant import QuantizedWeight
 from kernels.metadata import AttentionMetadata
-from kernels.quant import QuantizedWeight
 
 # Rows up to which the transposed copy is faster (see the module docstring).
 _GEMV_ROWS = 2
@@ -70,7 +70,7 @@ def fuse(
     when they share a block format, or as a stack of their formats (int8: each part in
     its tiled layout); else they are dequantized (exactly) to fp32."""
     if int8 and any(isinstance(p, QuantizedWeight) and p.format.file_order for p in parts):
-        # The int8 kernel's formats (kernels/quant.py for_int8).
+        # The int8 kernel's formats (kernels/cpu/quant.py for_int8).
         parts = [p.for_int8() if isinstance(p, QuantizedWeight) else p for p in parts]
     if all(isinstance(p, QuantizedWeight) for p in parts):
         try:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import launch as cpu
-from kernels.quant import QuantizedWeight
+from kernels.cpu.quant import QuantizedWeight
 
 # Router rows per broadcast-and-sum chunk (bounds its [rows, E, H] temporary).
 _ROUTER_CHUNK = 16

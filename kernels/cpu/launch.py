@@ -17,9 +17,9 @@ from torch import Tensor
 
 from kernels import reference
 from kernels.cpu import build as cpu_build
+from kernels.cpu.quant import QuantizedWeight
 from kernels.log import get_logger
 from kernels.metadata import AttentionMetadata
-from kernels.quant import QuantizedWeight
 
 log = get_logger(__name__)
 

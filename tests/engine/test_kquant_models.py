@@ -21,7 +21,7 @@ from compute.core.config import ModelConfig
 from compute.loaders import load_model
 from compute.models.decoder import DecoderModel
 from kernels.cpu import launch as cpu
-from kernels.quant import QuantizedWeight
+from kernels.cpu.quant import QuantizedWeight
 from tests.engine import test_loaders
 from tests.kernels.test_cpu_decoder import _caches, _step
 from tests.kernels.test_cpu_kquants import random_blocks
@@ -146,7 +146,7 @@ def test_the_fused_decoder_call_runs_the_mixed_formats(kquant_file, query_lens, 
 
 
 def test_int8_mode_converts_them_to_its_formats(kquant_file):
-    """kernels/quant.py for_int8: the int8 kernel's formats, every projection quantized, so
+    """kernels/cpu/quant.py for_int8: the int8 kernel's formats, every projection quantized, so
     the fused decoder call runs; its bits are the per-op path's."""
     loaded = load_model(str(kquant_file), progress=False, quantized=True)
     down = loaded.weights["model.layers.0.mlp.down_proj.weight"]

@@ -10,7 +10,7 @@ import torch
 
 from compute.loaders import ModelLoadError, load_model, memory_check
 from compute.loaders.base import LoadedModel
-from kernels.quant import QuantizedWeight
+from kernels.cpu.quant import QuantizedWeight
 
 pytestmark = pytest.mark.slow
 

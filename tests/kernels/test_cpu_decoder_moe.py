@@ -24,8 +24,8 @@ from compute.loaders import load_model
 from compute.models.decoder import DecoderModel
 from compute.models.moe import MoE
 from kernels.cpu import launch as cpu
+from kernels.cpu.quant import QuantizedWeight
 from kernels.metadata import AttentionMetadata
-from kernels.quant import QuantizedWeight
 from tests.kernels.test_cpu_decoder import BLOCK, _caches
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")

@@ -14,8 +14,8 @@ import torch
 
 from kernels import reference
 from kernels.cpu import launch as cpu
+from kernels.cpu.quant import FORMATS, QuantizedWeight
 from kernels.metadata import AttentionMetadata
-from kernels.quant import FORMATS, QuantizedWeight
 from tests.kernels.test_paged_attention_ref import PagedCache
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels cannot be built here")

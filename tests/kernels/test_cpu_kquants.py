@@ -1,5 +1,5 @@
 """The exact kernels over the formats kept in the file's own blocks (Q5_0, Q5_1, Q4_K, Q5_K,
-Q6_K, IQ4_NL, IQ4_XS: kernels/quant.py ``file_order``) against gguf's numpy dequantization.
+Q6_K, IQ4_NL, IQ4_XS: kernels/cpu/quant.py ``file_order``) against gguf's numpy dequantization.
 
 Random blocks (finite fp16 d / dmin, random codes and packed scales) of every type:
 the kernels' expansion is bit-identical to gguf.quants.dequantize; the products match the
@@ -18,7 +18,7 @@ import torch
 
 from kernels.cpu import build as cpu_build
 from kernels.cpu import launch as cpu
-from kernels.quant import FORMATS, QuantizedWeight
+from kernels.cpu.quant import FORMATS, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels cannot be built here")
 

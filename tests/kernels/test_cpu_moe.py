@@ -13,7 +13,7 @@ import torch
 from compute.models.decoder import Projection, fuse
 from compute.models.moe import Expert, MoE
 from kernels.cpu import launch as cpu
-from kernels.quant import FORMATS, QuantizedWeight
+from kernels.cpu.quant import FORMATS, QuantizedWeight
 from tests.kernels.test_cpu_kquants import HALVES, random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")

@@ -8,7 +8,7 @@
 // min: Q4_1 and Q5_1 store m; Q4_0 is q - 8, so m = -8d; Q5_0 is q - 16 (codes 0..31), so
 // m = -16d; Q8_0's signed codes are read as q + 128 (the top bit flipped), so m = -128d.
 //
-// Weight rows are in the "tiled" layout (kernels/quant.py QuantizedWeight.tiled): rows in
+// Weight rows are in the "tiled" layout (kernels/cpu/quant.py QuantizedWeight.tiled): rows in
 // tiles of 16 (the last one zero-padded), and within a tile, block by block, 4-byte lane i
 // of a 64-byte vector holds 4 codes of row i:
 //   Q4_0/Q4_1: 4 vectors per block; byte 4i + k of vector s
