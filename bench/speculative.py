@@ -93,7 +93,7 @@ def make_engine(args: argparse.Namespace, k: int | None, loaded):
 
 def run_batch(engine, prompts: list[list[int]], params) -> dict[str, Any]:
     """Run ``prompts`` together; per-request token times, ids, and the wall time."""
-    counter = engine.scheduler
+    counter = engine.scheduler.drafts
     before = (counter.num_draft_tokens, counter.num_accepted_tokens)
     times: dict[str, list[float]] = {}
     ids: dict[str, list[int]] = {}

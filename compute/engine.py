@@ -355,9 +355,9 @@ class Engine:
             prefix_cache_hit_tokens=kv.prefix_hit_tokens,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
-            spec_draft_tokens=sched.num_draft_tokens,
-            spec_accepted_tokens=sched.num_accepted_tokens,
-            spec_emitted_tokens=sched.num_spec_emitted_tokens,
+            spec_draft_tokens=sched.drafts.num_draft_tokens,
+            spec_accepted_tokens=sched.drafts.num_accepted_tokens,
+            spec_emitted_tokens=sched.drafts.num_spec_emitted_tokens,
             samples_forked=sched.num_forked,
             samples_not_forked=sched.num_fork_fallbacks,
         )
@@ -422,11 +422,7 @@ def _reads_history(sched: SchedulerOutput) -> bool:
     """Does a sequence this step samples for also sample from its history (penalties, a
     grammar's matcher)? Its next step cannot sample until this step's token is known on
     the host."""
-    return any(
-        item.samples
-        and (item.seq.sampling_params.penalized or item.seq.sampling_params.constrained)
-        for item in sched.scheduled
-    )
+    return any(item.samples and item.seq.sampling_params.reads_history for item in sched.scheduled)
 
 
 def _async_output(config: EngineConfig, device: torch.device) -> bool:

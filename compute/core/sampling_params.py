@@ -126,6 +126,13 @@ class SamplingParams:
         return self.grammar is not None
 
     @property
+    def reads_history(self) -> bool:
+        """Sampling reads the tokens generated so far (penalties count them, a grammar's
+        matcher advances with them): the next token cannot be sampled before this one is
+        known on the host (asynchronous output), nor after an unverified draft."""
+        return self.penalized or self.constrained
+
+    @property
     def penalized(self) -> bool:
         """Sampling reads the tokens generated so far (compute/sampling/penalties.py)."""
         return (

@@ -55,16 +55,11 @@ with one pending is not readmitted until it resolves. ``update_from_output`` is 
 at once (synchronous output).
 
 Speculative decoding (``SpeculativeConfig``, synchronous output only): a decoding
-sequence may get a draft, tokens guessed to follow it (compute/core/ngram.py), scored in
-the same step after its last token: 1 + K query tokens, counted against the budget, with
-KV slots reserved for all of them. Drafts are made only while at most ``max_batch``
-sequences run, for requests without penalties, when the budget and the request's
-remaining length leave room, and never at the cost of a preemption (a draft that does not
-fit is dropped). A draft the model wholly rejects costs a wider step for nothing, so its
-sequence then pauses drafting for 1, 2, 4 ... up to ``MAX_DRAFT_BACKOFF`` decode steps
-(doubling while drafts keep missing, reset by any accepted token): free-form text, where
-n-gram guesses rarely hold, runs at nearly the plain speed, while copying text, where they
-do, keeps drafting every step. Drafting changes only speed, never the tokens.
+sequence may get a draft, tokens guessed to follow it, scored in the same step after its
+last token: 1 + K query tokens, counted against the budget, with KV slots reserved for all
+of them, and never at the cost of a preemption (a draft that does not fit is dropped).
+Which sequence gets one, and how drafting backs off after misses, is the draft policy's
+(compute/core/drafts.py). Drafting changes only speed, never the tokens.
 
 ``resolve`` then takes the 1 + a tokens the runner emits (a accepted draft tokens, then
 the model's own), one ``RequestOutput`` each, so a stop or a length limit inside the run
@@ -85,15 +80,13 @@ from collections.abc import Callable
 
 from compute.core.checks import RequestLimits, check_request
 from compute.core.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from compute.core.drafts import DraftPolicy
 from compute.core.errors import FieldError
 from compute.core.kv_cache_manager import KVCacheManager
 from compute.core.messages import FinishReason, RequestOutput, TokenLogprob
-from compute.core.ngram import propose_ngram
 from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
 from compute.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from compute.core.step_plan import StepPlan
-
-MAX_DRAFT_BACKOFF = 8  # the longest pause in drafting after wholly rejected drafts (steps)
 
 
 class Scheduler:
@@ -110,12 +103,7 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
-        self.speculative = speculative or SpeculativeConfig()
-        # (tokens, at most k) -> draft tokens to follow them; tests may put their own here.
-        self.proposer: Callable[[list[int], int], list[int]] = lambda tokens, k: propose_ngram(
-            tokens, k, self.speculative.ngram_min, self.speculative.ngram_max
-        )
-        self.max_model_len = max_model_len
+        self.drafts = DraftPolicy(speculative or SpeculativeConfig(), max_model_len)
         self.limits = RequestLimits(max_model_len, num_blocks, cache_config.block_size, vocab_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
@@ -131,11 +119,6 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._prefill_streak = 0  # consecutive steps that mixed prefill work into decodes
         self.num_preemptions = 0  # cumulative
-        # Speculative decoding, cumulative: draft tokens scored, those accepted, and the
-        # tokens emitted by the steps that verified a draft (accepted + one each).
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_spec_emitted_tokens = 0
         # n > 1, cumulative: samples (requests naming fork_of) admitted by forking their
         # parent's prompt blocks, and those admitted as any other request instead.
         self.num_forked = 0
@@ -229,39 +212,13 @@ class Scheduler:
                 continue
             if step.budget <= 0:
                 return
-            draft = self._draft(seq, step.budget) if decodes else ()
+            draft = self.drafts.propose(seq, step.budget, len(self.running)) if decodes else ()
             if draft and self.kv_manager.allocate_slots(seq, 1 + len(draft)):
                 step.add(seq, 1 + len(draft), decodes, draft)
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
             if self._allocate_or_preempt(seq, n, step):
                 step.add(seq, n, decodes)
-
-    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding ``seq`` this step (empty: none)."""
-        spec = self.speculative
-        if (
-            not spec.enabled
-            or len(self.running) > spec.max_batch
-            or seq.num_pending
-            or seq.sampling_params.penalized  # its penalties would need the draft as history
-            or seq.num_output_tokens < seq.sampling_params.min_tokens  # one ban per position
-            or seq.sampling_params.constrained  # its grammar would need a mask per draft token
-        ):
-            return ()
-        if seq.draft_skip > 0:  # backing off after wholly rejected drafts
-            seq.draft_skip -= 1
-            return ()
-        # Room for the draft and one more token: in the budget, in max_tokens, in the model.
-        room = min(
-            spec.num_tokens,
-            budget - 1,
-            seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
-            self.max_model_len - seq.num_tokens - 1,
-        )
-        if room <= 0:
-            return ()
-        return tuple(self.proposer(seq.all_token_ids, room)[:room])
 
     def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int, step: StepPlan) -> bool:
         """Make room for ``seq`` by preempting victims; False if ``seq`` itself was one."""
@@ -413,25 +370,9 @@ class Scheduler:
         first: int,
         more: list[tuple[int, TokenLogprob | None]],
     ) -> list[RequestOutput]:
-        """The tokens a verified draft emits after its first: draft[i] is accepted as an
-        input (its K/V, computed this step, count) when the token before it equals it."""
-        emitted = [first] + [token for token, _ in more]
-        accepted = 0
-        while accepted < len(draft) and emitted[accepted] == draft[accepted]:
-            accepted += 1
-        if len(more) != accepted:
-            raise ValueError(
-                f"runner output for {seq.request_id}: {len(more)} tokens after the first, "
-                f"{accepted} draft tokens accepted"
-            )
-        self.num_draft_tokens += len(draft)
-        self.num_accepted_tokens += accepted
-        self.num_spec_emitted_tokens += 1 + accepted
-        if accepted:
-            seq.draft_backoff = 0
-        else:
-            seq.draft_backoff = min(MAX_DRAFT_BACKOFF, 2 * seq.draft_backoff or 1)
-            seq.draft_skip = seq.draft_backoff
+        """The tokens a verified draft emits after its first, each appended as a token of
+        its own; the accepted draft tokens' K/V (computed this step) count as inputs."""
+        self.drafts.accepted(seq, draft, [first] + [token for token, _ in more])
         outputs = []
         for token_id, logprob in more:
             if seq.is_finished:
@@ -492,7 +433,9 @@ class Scheduler:
 
     def _ends_by_length(self, seq: Sequence, num_output: int) -> bool:
         num_tokens = seq.num_prompt_tokens + num_output
-        return num_output >= seq.sampling_params.max_tokens or num_tokens >= self.max_model_len
+        return (
+            num_output >= seq.sampling_params.max_tokens or num_tokens >= self.limits.max_model_len
+        )
 
     def _ends_when_resolved(self, seq: Sequence) -> bool:
         """A pending token already ends ``seq`` by length: no step may follow it."""

@@ -99,8 +99,8 @@ class SpecHarness(Harness):
 
     def __init__(self, reject_at=lambda: K, spec: SpeculativeConfig | None = None, **kw):
         super().__init__(**kw)
-        self.sched.speculative = spec or SpeculativeConfig(method="ngram", num_tokens=K)
-        self.sched.proposer = self.oracle
+        self.sched.drafts.config = spec or SpeculativeConfig(method="ngram", num_tokens=K)
+        self.sched.drafts.proposer = self.oracle
         self.reject_at = reject_at
         self.drafts: list[int] = []  # length of every draft proposed
 
@@ -154,8 +154,8 @@ def test_acceptance_of_each_length_emits_that_many_plus_one(accept):
             assert needed[0] <= len(seq.block_ids) <= needed[1]
     assert h.tokens["a"] == h.reference(seq)
     assert h.finished == {"a": FinishReason.LENGTH}
-    assert h.sched.num_accepted_tokens == accepted
-    assert h.sched.num_draft_tokens == sum(h.drafts)
+    assert h.sched.drafts.num_accepted_tokens == accepted
+    assert h.sched.drafts.num_draft_tokens == sum(h.drafts)
     assert h.sched.kv_manager.usage == 0
 
 
@@ -163,7 +163,7 @@ def test_wholly_rejected_drafts_back_off_doubling_and_an_accepted_token_resets()
     """After a draft of which nothing is accepted the sequence drafts nothing for 1, 2, 4,
     then MAX_DRAFT_BACKOFF decode steps; one accepted token resets the pause. Its tokens
     stay the reference's."""
-    from compute.core.scheduler import MAX_DRAFT_BACKOFF
+    from compute.core.drafts import MAX_DRAFT_BACKOFF
 
     accept = iter([0] * 5 + [K] * 3 + [0] * 100)
     h = SpecHarness(reject_at=lambda: next(accept))
@@ -201,7 +201,7 @@ def test_drafts_respect_max_tokens_budget_and_max_batch():
     for rid in "abc":
         h3.add(rid, 5, max_tokens=8)
     h3.run()
-    assert h3.drafts == [] and h3.sched.num_draft_tokens == 0
+    assert h3.drafts == [] and h3.sched.drafts.num_draft_tokens == 0
 
 
 def test_penalized_requests_get_no_drafts():
@@ -271,7 +271,7 @@ def test_many_requests_with_preemption_match_the_reference(mode):
     assert h.sched.num_preemptions > 0
     for seq in seqs:
         assert h.tokens[seq.request_id] == h.reference(seq), seq.request_id
-    assert 0 < h.sched.num_accepted_tokens < h.sched.num_draft_tokens
+    assert 0 < h.sched.drafts.num_accepted_tokens < h.sched.drafts.num_draft_tokens
     assert h.sched.kv_manager.usage == 0
 
 

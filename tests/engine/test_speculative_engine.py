@@ -79,11 +79,11 @@ def test_greedy_identical_alone_and_drafts_accepted(plain) -> None:
         assert engine.generate([p], GREEDY)[0].token_ids == plain[tuple(p)]
     sched = engine.scheduler
     # The copy prompts' answers are largely drafted (1-grams included: ~40% accepted).
-    assert sched.num_accepted_tokens > max(32, 0.3 * sched.num_draft_tokens)
+    assert sched.drafts.num_accepted_tokens > max(32, 0.3 * sched.drafts.num_draft_tokens)
     for p in prompts(2):
         assert engine.generate([p], GREEDY)[0].token_ids == plain[tuple(p)]
     stats = engine.stats()
-    assert stats.spec_draft_tokens == sched.num_draft_tokens
+    assert stats.spec_draft_tokens == sched.drafts.num_draft_tokens
     assert stats.spec_emitted_tokens > stats.spec_accepted_tokens > 0
     assert stats.kv_usage == 0.0
 
@@ -94,7 +94,7 @@ def test_greedy_identical_batched(plain, batch) -> None:
     batch_prompts = mixed(batch)
     outs = engine.generate(batch_prompts, GREEDY)
     assert [o.token_ids for o in outs] == [plain[tuple(p)] for p in batch_prompts]
-    assert engine.scheduler.num_accepted_tokens > 0
+    assert engine.scheduler.drafts.num_accepted_tokens > 0
 
 
 def test_greedy_identical_batch_of_32_short_requests() -> None:
@@ -105,7 +105,7 @@ def test_greedy_identical_batch_of_32_short_requests() -> None:
     want = [o.token_ids for o in make_engine(SpeculativeConfig()).generate(batch, params)]
     engine = make_engine(max_num_seqs=32)
     assert [o.token_ids for o in engine.generate(batch, params)] == want
-    assert engine.scheduler.num_draft_tokens > 0
+    assert engine.scheduler.drafts.num_draft_tokens > 0
 
 
 def test_no_drafts_above_max_batch(plain) -> None:
@@ -122,7 +122,7 @@ def test_chunked_prefill_and_prefix_hits(plain) -> None:
         outs = engine.generate(batch, GREEDY)
         assert [o.token_ids for o in outs] == [plain[tuple(p)] for p in batch]
     assert engine.stats().prefix_cache_hit_tokens > 0
-    assert engine.scheduler.num_accepted_tokens > 0
+    assert engine.scheduler.drafts.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -150,7 +150,7 @@ def test_max_tokens_and_stop_tokens_inside_an_accepted_run(plain) -> None:
         )
         out = engine.generate([p], params)[0]
         assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop"
-    assert engine.scheduler.num_accepted_tokens > 0
+    assert engine.scheduler.drafts.num_accepted_tokens > 0
     assert engine.stats().kv_usage == 0.0
 
 
@@ -199,4 +199,4 @@ def test_greedy_identical_on_the_torch_path() -> None:
     want = [o.token_ids for o in engine(SpeculativeConfig()).generate(batch, params)]
     spec = engine(NGRAM)
     assert [o.token_ids for o in spec.generate(batch, params)] == want
-    assert spec.scheduler.num_accepted_tokens > 0
+    assert spec.scheduler.drafts.num_accepted_tokens > 0
