@@ -48,15 +48,13 @@ from compute.device.memory_report import log_memory
 from compute.device.selection import building_threads, cpu_execution, resolve_device
 from compute.loaders import LoadedModel, load_model, read_template_flag, with_chat_template
 from compute.models.decoder import DecoderModel
-from compute.runner.cuda_graphs import DecodeGraphs, capture_or_eager
-from compute.runner.fault_isolation import launch_isolating
 from compute.runner.model_runner import (
     ModelRunner,
-    StepResult,
     blocks_for_memory,
     default_num_blocks,
     kv_cache_dtype,
 )
+from compute.runner.step_result import StepResult
 from kernels import ops
 from kernels.log import get_logger
 
@@ -165,7 +163,9 @@ class Engine:
         self.runner = ModelRunner(
             model, config.cache, self.num_blocks, self.num_host_blocks, config.seed, self.kv_dtype
         )
-        self.runner.graphs = self._decode_graphs(config)
+        self.runner.capture_graphs(
+            config.device.cuda_graphs, config.scheduler.max_num_seqs, self.max_model_len
+        )
         self.memory = log_memory(model, self.runner)  # one 'memory' log line: where RSS goes
 
     def _log_speculative(self, config: EngineConfig) -> None:
@@ -181,39 +181,10 @@ class Engine:
                 async_output=self.async_output,
             )
 
-    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
-        """CUDA graphs of decode steps when asked (or by default on CUDA). A capture that
-        fails raises when graphs were asked for (True); by default it is logged (an error)
-        and the engine runs eagerly: slower, not wrong (compute/runner/cuda_graphs.py)."""
-        wanted = config.device.cuda_graphs
-        if self.device.type != "cuda":
-            if wanted:
-                log.info("cuda graphs: ignored on the CPU", device=str(self.device))
-            return None
-        if wanted is False:
-            return None
-        # Experts are picked on the host (compute/models/moe.py).
-        if self.runner.model.config.num_experts:
-            if wanted:
-                raise ValueError("cuda_graphs: mixture-of-experts models run eagerly")
-            log.info("cuda graphs: off for a mixture-of-experts model (eager steps)")
-            return None
-        return capture_or_eager(
-            lambda: DecodeGraphs(
-                self.runner.model,
-                self.runner.kv_caches,
-                config.cache.block_size,
-                config.scheduler.max_num_seqs,
-                self.max_model_len,
-            ),
-            wanted,
-        )
-
     @property
     def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
         """Batch sizes whose decode steps replay a captured graph (empty: none)."""
-        graphs = self.runner.graphs
-        return graphs.captured if graphs is not None else ()
+        return self.runner.graph_batch_sizes
 
     def add_request(
         self,
@@ -248,45 +219,45 @@ class Engine:
 
     def _abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
-        self.runner.sampler.forget(request_id)
+        self.runner.forget(request_id)
 
     def step(self) -> list[RequestOutput]:
-        """One step. A request that made it fail is aborted and listed by ``take_failed``;
-        the others get their outputs as if it had not been there. With asynchronous
-        output these are the outputs of the step launched by the previous call."""
-        t0 = time.perf_counter()
-        mask_before = self.runner.sampler.grammars.mask_seconds
-        outputs: list[RequestOutput] = []
-        if self._in_flight is not None and _reads_history(self._in_flight[0]):
-            outputs = self._resolve(*self._in_flight)  # its ids must be known to sample
-            self._in_flight = None
+        """One step: schedule, run, update, emit. A request that made it fail is aborted
+        and listed by ``take_failed``; the others get their outputs as if it had not been
+        there. With asynchronous output these are the outputs of the step launched by the
+        previous call."""
+        start = time.perf_counter()
+        outputs = self._resolve_history_readers()
         sched = self.scheduler.schedule()
-        t1 = self.runner.forward_end = time.perf_counter()
-        self.runner.swap(sched)
-        self.runner.begin_step()
-        launched = launch_isolating(self.runner, sched.scheduled)
-        t2 = self.runner.forward_end
+        scheduled = time.perf_counter()
+        launched = self.runner.run(sched)
+        outputs += self._update(sched, launched)
+        self.last_step_timing = _timing(sched, launched, start, scheduled)
+        return outputs
+
+    def _resolve_history_readers(self) -> list[RequestOutput]:
+        """The step in flight, resolved now if a sequence it samples for reads its history
+        (penalties, a grammar): the next step cannot sample for it before its id is known."""
+        if self._in_flight is None or not _reads_history(self._in_flight[0]):
+            return []
+        in_flight, self._in_flight = self._in_flight, None
+        return self._resolve(*in_flight)
+
+    def _update(self, sched: SchedulerOutput, launched: StepResult) -> list[RequestOutput]:
+        """The launched step handed to the scheduler; its outputs (synchronous output), or
+        the previous step's (asynchronous: this one stays in flight)."""
+        outputs: list[RequestOutput] = []
         if self.async_output:  # the previous step's tokens first, then this one's fails
             previous, self._in_flight = self._in_flight, (sched, launched)
             if previous is not None:
-                outputs += self._resolve(*previous)
+                outputs = self._resolve(*previous)
         self._fail(launched.faulty)  # commit skips them
         self.scheduler.commit(sched)
         self._count_prompt_tokens(sched)
         if self.async_output:
             self._drain_if_idle()
         else:
-            outputs += self._resolve(sched, launched)
-        # Plain numbers only (a few perf_counter reads per step); stage 3 turns them into metrics.
-        self.last_step_timing = StepTiming(
-            schedule_s=t1 - t0,
-            forward_s=t2 - t1,
-            sample_s=time.perf_counter() - t2,
-            idle_s=0.0,
-            num_seqs=len(sched.scheduled),
-            num_tokens=sum(item.num_new_tokens for item in sched.scheduled),
-            mask_s=self.runner.sampler.grammars.mask_seconds - mask_before,
-        )
+            outputs = self._resolve(sched, launched)
         return outputs
 
     def take_failed(self) -> list[tuple[str, str]]:
@@ -309,7 +280,7 @@ class Engine:
         for out in outputs:
             self._generation_tokens += len(out.new_token_ids)
             if out.finished:
-                self.runner.sampler.forget(out.request_id)
+                self.runner.forget(out.request_id)
         return outputs
 
     def _fail(self, faulty: dict[str, str]) -> None:
@@ -423,6 +394,22 @@ def _reads_history(sched: SchedulerOutput) -> bool:
     grammar's matcher)? Its next step cannot sample until this step's token is known on
     the host."""
     return any(item.samples and item.seq.sampling_params.reads_history for item in sched.scheduled)
+
+
+def _timing(
+    sched: SchedulerOutput, launched: StepResult, start: float, scheduled: float
+) -> StepTiming:
+    """Plain numbers only (a few perf_counter reads per step); stage 3 turns them into
+    metrics."""
+    return StepTiming(
+        schedule_s=scheduled - start,
+        forward_s=launched.forward_end - scheduled,
+        sample_s=time.perf_counter() - launched.forward_end,
+        idle_s=0.0,
+        num_seqs=len(sched.scheduled),
+        num_tokens=sum(item.num_new_tokens for item in sched.scheduled),
+        mask_s=launched.mask_seconds,
+    )
 
 
 def _async_output(config: EngineConfig, device: torch.device) -> bool:

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from compute.core.errors import FieldError
 from compute.core.messages import (
@@ -34,14 +34,11 @@ from compute.core.messages import (
     StepOutputs,
     StepTiming,
 )
+from compute.core.sampling_params import SamplingParams
+from compute.runner.fault_isolation import FAULT_MESSAGE
 from kernels.log import get_logger
 
-if TYPE_CHECKING:
-    from compute.engine import Engine
-
 log = get_logger(__name__)
-# What a client sees when the engine failed; the traceback goes to the log only.
-_FAULT_MESSAGE = "the engine failed while running this request"
 # A step whose failure the engine could not pin on one request fails the whole batch; this
 # many in a row means the engine itself is broken (a sticky CUDA error, corrupt state), and
 # a server that kept accepting requests only to fail them would look healthy to its
@@ -57,12 +54,38 @@ Inbound = AddRequest | Abort | Shutdown
 Outbound = StepOutputs | RequestFailed
 
 
+class SteppedEngine(Protocol):
+    """What the step loop needs of an engine (compute/engine.py; tests bring fakes)."""
+
+    last_step_timing: StepTiming | None  # of the latest step()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        fork_of: str | None = None,
+    ) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def take_failed(self) -> list[tuple[str, str]]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+
 class StepLoop:
     """Drives ``engine.step()``; the only code that touches the engine once started."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: SteppedEngine,
         inbox: queue.Queue[Inbound],
         send: Callable[[Outbound], None],
         active_since: Callable[[], float | None],
@@ -133,9 +156,8 @@ class StepLoop:
         return msg
 
     def _timing(self) -> StepTiming | None:
-        """The engine's record of the step just run, with the wait before it; None when the
-        engine keeps none (test fakes)."""
-        timing = getattr(self._engine, "last_step_timing", None)
+        """The engine's record of the step just run, with the wait before it."""
+        timing = self._engine.last_step_timing
         idle, self._idle_before_step = self._idle_before_step, 0.0
         return None if timing is None else dataclasses.replace(timing, idle_s=idle)
 
@@ -161,7 +183,7 @@ class StepLoop:
             self._send(RequestFailed(req.request_id, kind, exc.rule, exc.field))
         except Exception:
             log.exception("engine.add_request failed", request_id=req.request_id)
-            self._send(RequestFailed(req.request_id, FailureKind.ENGINE_FAULT, _FAULT_MESSAGE))
+            self._send(RequestFailed(req.request_id, FailureKind.ENGINE_FAULT, FAULT_MESSAGE))
         else:
             self._in_flight.add(req.request_id)
 
@@ -177,7 +199,7 @@ class StepLoop:
             outs = self._engine.step()
         except Exception as exc:
             log.exception("engine.step failed", num_requests=len(self._in_flight))
-            self._fail_all(FailureKind.ENGINE_FAULT, _FAULT_MESSAGE)
+            self._fail_all(FailureKind.ENGINE_FAULT, FAULT_MESSAGE)
             self._failed_steps += 1
             if self._failed_steps >= MAX_FAILED_STEPS:
                 message = f"engine.step failed {self._failed_steps} times in a row"

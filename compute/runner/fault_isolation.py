@@ -15,8 +15,10 @@ fault every request hits (out of memory, a broken device) fails them all, after 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from compute.core.outputs import ScheduledSequence
-from compute.runner.model_runner import ModelRunner, StepResult
+from compute.runner.step_result import StepResult
 from kernels.log import get_logger
 
 log = get_logger(__name__)
@@ -24,19 +26,30 @@ log = get_logger(__name__)
 FAULT_MESSAGE = "the engine failed while running this request"
 
 
-def launch_isolating(runner: ModelRunner, scheduled: list[ScheduledSequence]) -> StepResult:
+class Launcher(Protocol):
+    """What isolation needs of the model runner."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def launch(self, scheduled: list[ScheduledSequence]) -> StepResult: ...
+
+    def rewind(self) -> None: ...
+
+
+def launch_isolating(runner: Launcher, scheduled: list[ScheduledSequence]) -> StepResult:
     """``runner.launch(scheduled)``; on an exception, the requests at fault go to the
     result's ``faulty`` (a launch that fails is retried in parts at once, synchronously)."""
     try:
         return runner.launch(scheduled)
     except Exception:
-        runner.sampler.rewind()
+        runner.rewind()
         log.exception("engine step failed; isolating the request at fault", size=len(scheduled))
     return _bisect(runner, scheduled)
 
 
-def _bisect(runner: ModelRunner, scheduled: list[ScheduledSequence]) -> StepResult:
-    vocab_size = runner.sampler.vocab_size
+def _bisect(runner: Launcher, scheduled: list[ScheduledSequence]) -> StepResult:
+    vocab_size = runner.vocab_size
     if len(scheduled) == 1:
         request_id = scheduled[0].seq.request_id
         log.warning("request failed the engine step on its own", request_id=request_id)
@@ -47,6 +60,6 @@ def _bisect(runner: ModelRunner, scheduled: list[ScheduledSequence]) -> StepResu
         try:
             result.merge(runner.launch(part))
         except Exception:
-            runner.sampler.rewind()
+            runner.rewind()
             result.merge(_bisect(runner, part))
     return result

@@ -30,20 +30,21 @@ from compute.core.config import (
     EngineConfig,
     ModelConfig,
 )
-from compute.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
-from compute.core.sequence import Sequence
+from compute.core.outputs import ScheduledSequence, SchedulerOutput
 from compute.models.decoder import DecoderModel
-from compute.runner.cuda_graphs import DecodeGraphs
+from compute.runner.cuda_graphs import DecodeGraphs, capture_or_eager
+from compute.runner.fault_isolation import launch_isolating
 from compute.runner.step_batch import StepBatch
+from compute.runner.step_result import StepResult
 from compute.sampling.fault_hook import FaultHook
-from compute.sampling.sampler import LogprobRows, Sampler
+from compute.sampling.sampler import Sampler
+from kernels.log import get_logger
 from kernels.metadata import AttentionMetadata
 from kernels.reference import kv_row_width
 from kernels.transfer import device_tensor
 
+log = get_logger(__name__)
 GIB = 1024**3
-# What a client sees when its sampled id was out of range (the details go to the log).
-BAD_TOKEN_MESSAGE = "the sampler produced an invalid token id for this request"
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -101,64 +102,6 @@ def default_num_blocks(
     return -(-tokens // cache.block_size)
 
 
-class StepResult:
-    """A launched step's sampled ids and logprobs, on their way to the host.
-
-    ``faulty``: requests the launch itself failed on (fault isolation); ``resolve`` adds
-    those whose sampled id was out of range. Runs of parts of one step merge into one.
-    """
-
-    def __init__(self, vocab_size: int, faulty: dict[str, str] | None = None) -> None:
-        self.vocab_size = vocab_size
-        self.faulty: dict[str, str] = faulty or {}
-        self._parts: list[tuple[list[Sequence], torch.Tensor, LogprobRows, object]] = []
-        # Verified drafts (speculative decoding), already on the host: per sequence, the
-        # ids it emits and their logprobs.
-        self._host_parts: list[tuple[list[Sequence], list[list[int]], list[list]]] = []
-
-    def add(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: LogprobRows) -> None:
-        """One run's rows; device tensors are copied behind the work that makes them."""
-        event = None
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            tokens = host.copy_(tokens, non_blocking=True)
-            logprobs = logprobs.to_host(non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        self._parts.append((seqs, tokens, logprobs, event))
-
-    def add_emitted(
-        self, seqs: list[Sequence], token_ids: list[list[int]], logprobs: list[list]
-    ) -> None:
-        """One run's verified drafts: one or more emitted ids per sequence, on the host."""
-        self._host_parts.append((seqs, token_ids, logprobs))
-
-    def merge(self, other: StepResult) -> None:
-        self._parts.extend(other._parts)
-        self._host_parts.extend(other._host_parts)
-        self.faulty.update(other.faulty)
-
-    def resolve(self) -> ModelRunnerOutput:
-        """Wait for the ids (this step's copies only, not later steps) and check them."""
-        out = ModelRunnerOutput([], [], [])
-        for seqs, tokens, logprobs, event in self._parts:
-            if event is not None:
-                event.synchronize()
-            ids, records = tokens.tolist(), logprobs.records()
-            out.merge(_checked(seqs, ids, records, self.vocab_size))
-        for seqs, emitted, emitted_logprobs in self._host_parts:
-            for seq, ids, records in zip(seqs, emitted, emitted_logprobs, strict=True):
-                part = _checked([seq] * len(ids), ids, records, self.vocab_size)
-                if part.faulty:
-                    out.faulty.update(part.faulty)
-                    continue
-                out.request_ids.append(seq.request_id)
-                out.sampled_token_ids.append(ids[0])
-                out.logprobs.append(records[0])
-                out.more_tokens[seq.request_id] = list(zip(ids[1:], records[1:], strict=True))
-        return out
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -201,7 +144,47 @@ class ModelRunner:
     def faults(self, injector: FaultHook | None) -> None:
         self._faults = injector
         self.sampler.faults = injector
-        self.forward_end = 0.0  # perf_counter() after the latest forward, for StepTiming
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sampler.vocab_size
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """Batch sizes whose decode steps replay a captured graph (empty: none)."""
+        return self.graphs.captured if self.graphs is not None else ()
+
+    def capture_graphs(self, wanted: bool | None, max_num_seqs: int, max_model_len: int) -> None:
+        """CUDA graphs of decode steps when asked (``wanted``: True, False or None for the
+        default, on for CUDA). A capture that fails raises when graphs were asked for; by
+        default it is logged (an error) and steps run eagerly: slower, not wrong
+        (compute/runner/cuda_graphs.py). Mixture-of-experts models pick their experts on
+        the host (compute/models/moe.py), so they run eagerly."""
+        if self.device.type != "cuda":
+            if wanted:
+                log.info("cuda graphs: ignored on the CPU", device=str(self.device))
+            return
+        if wanted is False:
+            return
+        if self.model.config.num_experts:
+            if wanted:
+                raise ValueError("cuda_graphs: mixture-of-experts models run eagerly")
+            log.info("cuda graphs: off for a mixture-of-experts model (eager steps)")
+            return
+        self.graphs = capture_or_eager(
+            lambda: DecodeGraphs(
+                self.model, self.kv_caches, self.block_size, max_num_seqs, max_model_len
+            ),
+            wanted,
+        )
+
+    def forget(self, request_id: str) -> None:
+        """The request has ended: drop its per-request sampling state."""
+        self.sampler.forget(request_id)
+
+    def rewind(self) -> None:
+        """A launch failed: put the sampler's generators back where the step began."""
+        self.sampler.rewind()
 
     def _allocate_cache(self, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model.config
@@ -223,6 +206,13 @@ class ModelRunner:
         self._swap(sched.blocks_to_swap_in, to_host=False)
         self._copy(sched.blocks_to_copy)
 
+    def run(self, sched: SchedulerOutput) -> StepResult:
+        """One scheduled step: its block copies, then forward and sample, a request that
+        makes the launch fail isolated (its id in the result's ``faulty``)."""
+        self.swap(sched)
+        self.begin_step()
+        return launch_isolating(self, sched.scheduled)
+
     def begin_step(self) -> None:
         """A new step starts: the ids sampled so far are the previous step's."""
         self._prev_ids, self._step_ids = self._step_ids, {}
@@ -243,6 +233,12 @@ class ModelRunner:
         result = StepResult(self.sampler.vocab_size)
         if not scheduled:
             return result
+        mask_before = self.sampler.grammars.mask_seconds
+        self._forward_and_sample(scheduled, result)
+        result.mask_seconds = self.sampler.grammars.mask_seconds - mask_before
+        return result
+
+    def _forward_and_sample(self, scheduled: list[ScheduledSequence], result: StepResult) -> None:
         batch = self.prepare(scheduled)
         if self._faults is not None:
             self._faults.check_forward([item.seq for item in scheduled])
@@ -251,21 +247,20 @@ class ModelRunner:
             hidden = self.model.forward(
                 batch.token_ids, batch.positions, self.kv_caches, batch.meta
             )
-        self.forward_end = time.perf_counter()  # read by Engine.step for StepTiming
+        result.forward_end = time.perf_counter()
         if not batch.sampling_seqs:
-            return result
+            return
         logits = self.model.compute_logits(hidden[batch.sample_rows])
         if batch.drafts is not None:
             emitted, emitted_logprobs = self.sampler.sample_drafts(
                 logits, batch.sampling_seqs, batch.drafts
             )
             result.add_emitted(batch.sampling_seqs, emitted, emitted_logprobs)
-            return result
+            return
         tokens, logprobs = self.sampler.sample_on_device(logits, batch.sampling_seqs)
         for row, seq in enumerate(batch.sampling_seqs):
             self._step_ids[seq.request_id] = (tokens, row)
         result.add(batch.sampling_seqs, tokens, logprobs)
-        return result
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepBatch:
         token_ids: list[int] = []
@@ -349,19 +344,3 @@ class ModelRunner:
         for k, v in self.kv_caches:
             k[dst] = k[src]
             v[dst] = v[src]
-
-
-def _checked(
-    seqs: list[Sequence], token_ids: list[int], logprobs, vocab_size: int
-) -> ModelRunnerOutput:
-    """The output, with rows whose id is outside [0, vocab) moved to ``faulty``: such an
-    id must never reach the embedding lookup (it would fail the whole next step)."""
-    out = ModelRunnerOutput([], [], [])
-    for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
-        if 0 <= token < vocab_size:
-            out.request_ids.append(seq.request_id)
-            out.sampled_token_ids.append(token)
-            out.logprobs.append(logprob)
-        else:
-            out.faulty[seq.request_id] = BAD_TOKEN_MESSAGE
-    return out

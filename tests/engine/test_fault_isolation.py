@@ -17,7 +17,7 @@ from compute.core.config import CacheConfig, DeviceConfig, EngineConfig, Schedul
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
 from compute.runner.fault_isolation import FAULT_MESSAGE
-from compute.runner.model_runner import BAD_TOKEN_MESSAGE
+from compute.runner.step_result import BAD_TOKEN_MESSAGE
 from compute.sampling.sampler import apply_top_k_top_p
 from tests.support.fault_injection import FaultInjector
 
