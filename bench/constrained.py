@@ -159,7 +159,7 @@ def compile_times(engine, reps: int) -> dict[str, Any]:
 def first_token(engine, prompt: list[int], reps: int) -> dict[str, Any]:
     from compute.core.grammar import Constraint
     from compute.core.sampling_params import SamplingParams
-    from services.pipeline.domain import GenerateInput
+    from services.domain import GenerateInput
     from services.pipeline.pipeline import Pipeline
 
     pipeline = Pipeline(engine)

@@ -38,7 +38,7 @@ from compute.core.sampling_params import SamplingParams  # noqa: E402
 from compute.core.sequence import Sequence  # noqa: E402
 from compute.engine import Engine  # noqa: E402
 from compute.sampling.sampler import Sampler  # noqa: E402
-from services.pipeline.domain import Complete, GenerateInput  # noqa: E402
+from services.domain import Complete, GenerateInput  # noqa: E402
 from services.pipeline.pipeline import Pipeline, PipelineConfig  # noqa: E402
 
 TEXT = "The lighthouse keeper climbed the spiral stairs each evening and watched the boats. "

@@ -14,8 +14,8 @@ from compute.core.errors import FieldError
 from compute.core.grammar import Constraint
 from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams, logit_bias_entries
-from services.gen.headrace.v1 import generation_pb2 as pb
-from services.pipeline.domain import (
+from services.domain import (
+    MAX_REQUEST_ID_CHARS,
     ChatMessage,
     Chunk,
     Complete,
@@ -23,8 +23,8 @@ from services.pipeline.domain import (
     ModelInfo,
     prompt_form,
 )
+from services.gen.headrace.v1 import generation_pb2 as pb
 
-MAX_REQUEST_ID_CHARS = 128
 # The optional fields of SamplingParams / StoppingCriteria that map 1:1 onto SamplingParams.
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",

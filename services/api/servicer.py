@@ -19,14 +19,17 @@ import grpc
 
 from compute.core.errors import FieldError
 from services.api import convert
-from services.api.convert import MAX_REQUEST_ID_CHARS
+from services.api.input_limits import (
+    DEFAULT_MAX_BATCH_REQUESTS,
+    InputLimits,
+    check_input,
+    check_request_size,
+)
+from services.domain import MAX_REQUEST_ID_CHARS, GenerateInput, RequestError
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.pipeline.calls import counting_rejection, logged
-from services.pipeline.domain import GenerateInput, RequestError
 from services.pipeline.fan_in import fan_in
-from services.pipeline.input_limits import check_input, check_request_size
-from services.server.server_config import ServerConfig
 from services.telemetry.metrics import NO_METRICS, Metrics
 from services.telemetry.trace_context import LogTracer
 
@@ -43,12 +46,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(
         self,
         pipeline: Pipeline,
-        config: ServerConfig | None = None,
+        limits: InputLimits = InputLimits(),
+        max_batch_requests: int = DEFAULT_MAX_BATCH_REQUESTS,
         metrics: Metrics = NO_METRICS,
         tracer: RequestTracer | None = None,  # None: the caller's trace ids in the logs only
     ) -> None:
         self._pipeline = pipeline
-        self._config = config or ServerConfig()
+        self._limits = limits
+        self._max_batch_requests = max_batch_requests
         self._metrics = metrics
         self._tracer = tracer or LogTracer()
 
@@ -61,8 +66,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             request_id[:MAX_REQUEST_ID_CHARS], context.invocation_metadata()
         ) as trace:
             with counting_rejection(self._metrics):
-                check_input(request, self._config.limits)  # names the field, so first
-                check_request_size(request, self._config.limits)
+                check_input(request, self._limits)  # names the field, so first
+                check_request_size(request, self._limits)
                 inp = convert.to_input(request, request_id)
             async for event in self._events(inp, trace):
                 yield pb.GenerateResponse(request_id=inp.request_id, **convert.event_fields(event))
@@ -82,8 +87,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        check_input(request, self._config.limits)
-        check_request_size(request, self._config.limits)
+        check_input(request, self._limits)
+        check_request_size(request, self._limits)
         args = convert.tokenize_args(request)
         try:
             token_ids, tokens = await self._pipeline.tokenize(**args)
@@ -111,8 +116,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     def _batch_inputs(self, request: pb.GenerateBatchRequest, base_id: str) -> list[GenerateInput]:
         """Validated inputs of a batch; errors name ``requests[i].<field>``."""
-        limit = self._config.max_batch_requests
-        check_request_size(request, self._config.limits)
+        limit = self._max_batch_requests
+        check_request_size(request, self._limits)
         if not request.requests:
             raise FieldError("requests", "must not be empty")
         if len(request.requests) > limit:
@@ -126,7 +131,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 )
             seen[request_id] = i
             try:
-                check_input(item, self._config.limits)
+                check_input(item, self._limits)
                 inputs.append(convert.to_input(item, request_id))
             except RequestError as exc:
                 raise _in_batch(exc, i) from None

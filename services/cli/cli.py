@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``headrace`` console script."""
     import grpc
 
-    from services.pipeline.domain import RequestError
+    from services.domain import RequestError
 
     args = build_parser().parse_args(argv)
     try:

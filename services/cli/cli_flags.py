@@ -23,7 +23,7 @@ from compute.core.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from services.pipeline.input_limits import InputLimits
+from services.api.input_limits import InputLimits
 from services.pipeline.pipeline import PipelineConfig
 from services.security.security_config import SecurityConfig
 from services.server.connection_config import ConnectionConfig

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 from compute.core.errors import FieldError
 from kernels.log import get_logger
-from services.pipeline.domain import Complete, RequestError
+from services.domain import Complete, RequestError
 from services.telemetry.metrics import Metrics
 
 log = get_logger(__name__)

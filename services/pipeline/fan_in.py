@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from kernels.log import get_logger
-from services.pipeline.domain import EngineFault, RequestError
+from services.domain import EngineFault, RequestError
 
 log = get_logger(__name__)
 

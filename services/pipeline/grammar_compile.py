@@ -75,7 +75,7 @@ class GrammarStage:
             raise exc.at(constraint.field) from None
 
     def info(self) -> dict:
-        """What ModelInfo says of constraints (services/pipeline/domain.py)."""
+        """What ModelInfo says of constraints (services/domain.py)."""
         if self._compiler is None:
             return {}
         return {

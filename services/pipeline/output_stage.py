@@ -30,7 +30,7 @@ from compute.core.messages import (
 )
 from compute.tokenizer.tokenizer import Tokenizer
 from kernels.log import get_logger
-from services.pipeline.domain import Chunk, Complete, EngineFault, RequestError, Unavailable
+from services.domain import Chunk, Complete, EngineFault, RequestError, Unavailable
 from services.pipeline.request_state import Event, Outcome, RequestState, RequestStream
 from services.telemetry.metrics import NO_METRICS, Metrics
 

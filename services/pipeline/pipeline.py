@@ -29,7 +29,7 @@ from compute.core.messages import Abort, AddRequest, EngineStats, Shutdown
 from compute.sampling.grammar_compiler import GrammarCompiler
 from compute.step_loop import Inbound, StepLoop, run_step_loop
 from kernels.log import get_logger
-from services.pipeline.domain import (
+from services.domain import (
     ChatMessage,
     Chunk,
     Complete,

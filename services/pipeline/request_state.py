@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from compute.core.messages import AddRequest, FinishReason, RequestOutput
 from compute.tokenizer.tokenizer import Tokenizer
+from services.domain import Chunk, Complete, EngineFault, RequestError, Timing, Usage
 from services.pipeline.detokenizer import IncrementalDetokenizer, NullDetokenizer
-from services.pipeline.domain import Chunk, Complete, EngineFault, RequestError, Timing, Usage
 from services.pipeline.stop_strings import StopResult, StopStringMatcher
 
 Event = Chunk | Complete | RequestError

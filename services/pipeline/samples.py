@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from compute.core.errors import FieldError, RequestError
 from compute.core.messages import AddRequest
-from services.pipeline.domain import Chunk, Complete, GenerateInput
+from services.domain import Chunk, Complete, GenerateInput
 from services.pipeline.fan_in import fan_in
 
 MAX_SEED = 2**63

@@ -21,7 +21,7 @@ from compute.core.checks import RequestLimits, check_request
 from compute.core.errors import FieldError, capped
 from compute.core.messages import AddRequest
 from compute.tokenizer.tokenizer import Tokenizer
-from services.pipeline.domain import ChatMessage, GenerateInput, prompt_form
+from services.domain import ChatMessage, GenerateInput, prompt_form
 
 T = TypeVar("T")
 

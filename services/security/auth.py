@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 
 from kernels.log import get_logger
+from services import rpc
+from services.rpc import Continuation
 from services.security.auth_tokens import TokenFile
-from services.server import methods
-from services.server.status import Continuation
 from services.telemetry.metrics import NO_METRICS, Metrics
 
 SCHEME = "bearer"
@@ -74,7 +74,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
-        if not methods.needs_token(details.method, self._auth_reflection):
+        if not rpc.needs_token(details.method, self._auth_reflection):
             return await continuation(details)
         reason = refusal(details.invocation_metadata, self._tokens)
         if reason is None:

@@ -31,15 +31,16 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as worker_grpc
 
 from kernels.log import get_logger
+from services import rpc
 from services.api.servicer import GenerationServicer
+from services.domain import Unavailable
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
-from services.pipeline.domain import Unavailable
+from services.rpc import Continuation
 from services.security.security import ServerSecurity
-from services.server import methods
 from services.server.http_endpoint import start_http
 from services.server.server_config import ServerConfig
-from services.server.status import Continuation, StatusInterceptor, wrap_handler
+from services.server.status import StatusInterceptor, wrap_handler
 from services.telemetry.metrics import NO_METRICS, Metrics
 from services.worker.servicer import SERVICE_NAME as WORKER_SERVICE_NAME
 from services.worker.servicer import WorkerServicer
@@ -71,7 +72,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        if not methods.gated(details.method):
+        if not rpc.gated(details.method):
             return handler  # health, reflection and Abort keep answering while draining
         return wrap_handler(handler, self._admit)
 
@@ -144,7 +145,14 @@ class Server:
             options=self.config.grpc_options(),  # message size, connection limits, keepalive
         )
         pb_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self._pipeline, self.config, self._metrics, tracer), self._server
+            GenerationServicer(
+                self._pipeline,
+                self.config.limits,
+                self.config.max_batch_requests,
+                self._metrics,
+                tracer,
+            ),
+            self._server,
         )
         worker = WorkerServicer(
             self._pipeline, self.tokenizer_path, self.serving, self._metrics, tracer

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.pipeline.input_limits import InputLimits
+from services.api.input_limits import DEFAULT_MAX_BATCH_REQUESTS, InputLimits
 from services.security.security_config import SecurityConfig
 from services.server.connection_config import ConnectionConfig
 
@@ -26,7 +26,7 @@ class ServerConfig:
     metrics_port: int = 9400  # Prometheus /metrics port; 0 = any free port, -1 = off
     max_message_bytes: int = 16 * MIB  # largest gRPC message sent or received
     grace_period: float = 30.0  # seconds streams in flight get to finish on SIGTERM
-    max_batch_requests: int = 64  # most requests in one GenerateBatch call
+    max_batch_requests: int = DEFAULT_MAX_BATCH_REQUESTS  # most requests in one GenerateBatch call
     # Where serve writes the model's tokenizer for gateways (vLLM worker protocol's
     # GetModelInfo.tokenizer_path); "" = a fresh temporary directory.
     tokenizer_dir: str = ""

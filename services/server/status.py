@@ -14,16 +14,16 @@ UNKNOWN with the parser's exception class and text.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from kernels.log import get_logger
-from services.pipeline.domain import RequestError
-from services.server import methods
+from services import rpc
+from services.domain import RequestError
+from services.rpc import Around, Continuation
 
 MALFORMED_MESSAGE = (
     "request: the message could not be parsed (truncated or corrupt bytes, or a string "
@@ -32,9 +32,6 @@ MALFORMED_MESSAGE = (
 _CODES = {code.name: code for code in grpc.StatusCode}
 
 log = get_logger(__name__)
-
-Around = Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager]
-Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
 
 
 def status_of(exc: Exception, method: str = "") -> tuple[grpc.StatusCode, str]:
@@ -173,6 +170,6 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         handler = reject_malformed(handler)
-        if not methods.mapped(details.method):
+        if not rpc.mapped(details.method):
             return handler  # health and reflection report their own statuses
         return wrap_handler(handler, lambda context: mapped_errors(context, details.method))

@@ -35,8 +35,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, Status, StatusCode
 
-from services.pipeline.domain import Complete, RequestError, Timing
-from services.server import methods
+from services import rpc
+from services.domain import Complete, RequestError, Timing
 
 DEFAULT_SERVICE_NAME = "headrace"
 
@@ -185,4 +185,4 @@ def _bound_ids(ids: trace.SpanContext) -> Iterator[None]:
 
 
 def _traced(details: grpc.HandlerCallDetails) -> bool:
-    return methods.traced(details.method)
+    return rpc.traced(details.method)

@@ -18,8 +18,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from compute.core.errors import FieldError
 from compute.core.grammar import Constraint
 from compute.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, logit_bias_entries
-from services.api.convert import MAX_REQUEST_ID_CHARS
-from services.pipeline.domain import Chunk, Complete, GenerateInput, prompt_form
+from services.domain import MAX_REQUEST_ID_CHARS, Chunk, Complete, GenerateInput, prompt_form
 
 SP = "sampling_params"
 # Where the pipeline's domain field names live in a vLLM GenerateRequest.

@@ -23,8 +23,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from compute.core.errors import FieldError
 from kernels.log import get_logger
+from services.domain import MAX_REQUEST_ID_CHARS, Chunk, Complete, GenerateInput, RequestError
 from services.pipeline.calls import counting_rejection, logged
-from services.pipeline.domain import Chunk, Complete, GenerateInput, RequestError
 from services.telemetry.metrics import NO_METRICS, Metrics
 from services.telemetry.trace_context import LogTracer
 from services.worker import convert
@@ -71,7 +71,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         self._last_receive = time.time()
-        request_id = request.request_id[: convert.MAX_REQUEST_ID_CHARS]
+        request_id = request.request_id[:MAX_REQUEST_ID_CHARS]
         # The request's scope (trace ids in its log lines, its span) covers validation too.
         with self._tracer.request(request_id, context.invocation_metadata()) as trace:
             inp = self._checked_input(request)

@@ -5,6 +5,9 @@
 - imports only run down the layers: services -> compute -> compute.core -> kernels, and
   kernels (called by the model) never import compute or services; the one logging style
   is the leaf kernels.log, at the bottom;
+- inside each package, imports only run down its floors (``FLOORS``): a room (a folder,
+  or a module at the package's top) imports rooms on lower floors only, never one on
+  its own floor or above, and every room has a floor;
 - no import circle anywhere.
 Both rules count every import: lazy, function-level ones and those under
 ``if TYPE_CHECKING`` too (a type-only import is still a dependency of the code that
@@ -78,6 +81,65 @@ def test_imports_only_run_down_the_layers() -> None:
     ]
     assert not upward, upward
     assert not import_graph()["kernels.log"], "kernels.log must stay a leaf"
+
+
+# Each package's rooms, top floor first; rooms on one floor never import each other. The
+# package's own __init__ (the empty root) is the ground every room may stand on.
+FLOORS = {
+    "compute": (
+        "step_loop",
+        "engine",
+        "loaders",
+        "runner tokenizer",
+        "sampling models device",
+        "core",
+    ),
+    "kernels": ("ops", "cpu cuda", "reference", "metadata", "transfer log"),
+    "services": (
+        "cli codegen",
+        "bench",
+        "client server",
+        "api worker",
+        "pipeline security",
+        "telemetry",
+        "domain rpc gen",
+    ),
+}
+
+
+def _room(module: str) -> tuple[str, str]:
+    """(package, room): the folder or top-level module a module lives in ("" = the root)."""
+    package, _, rest = module.partition(".")
+    return package, rest.split(".")[0]
+
+
+def _floor(package: str, room: str) -> int:
+    if room == "":
+        return len(FLOORS[package])
+    return next(i for i, rooms in enumerate(FLOORS[package]) if room in rooms.split())
+
+
+def test_every_room_has_a_floor() -> None:
+    rooms = {_room(m) for m in _sources()}
+    unplaced = sorted(
+        f"{pkg}.{room}"
+        for pkg, room in rooms
+        if room and not any(room in floor.split() for floor in FLOORS[pkg])
+    )
+    assert not unplaced, f"add these rooms to FLOORS: {unplaced}"
+
+
+def test_imports_only_run_down_the_floors_of_each_package() -> None:
+    sideways_or_up = []
+    for a, targets in import_graph().items():
+        (pkg, room) = _room(a)
+        for b in targets:
+            (pkg_b, room_b) = _room(b)
+            if pkg_b != pkg or room_b == room:
+                continue
+            if _floor(pkg, room_b) <= _floor(pkg, room):
+                sideways_or_up.append(f"{a} -> {b}")
+    assert not sideways_or_up, sideways_or_up
 
 
 def test_no_import_circle() -> None:

@@ -8,8 +8,8 @@ import threading
 import grpc
 import pytest
 
+from services.api.input_limits import MIB, InputLimits
 from services.gen.headrace.v1 import generation_pb2 as pb
-from services.pipeline.input_limits import MIB, InputLimits
 from services.server.server_config import ServerConfig
 from tests.conftest import fake_engine
 

@@ -12,7 +12,7 @@ import pytest
 from compute.core.errors import FieldError
 from compute.core.sampling_params import SamplingParams
 from compute.tokenizer.tokenizer import Tokenizer
-from services.pipeline.domain import Chunk, Complete, GenerateInput
+from services.domain import Chunk, Complete, GenerateInput
 from services.pipeline.pipeline import Pipeline, PipelineConfig
 from tests.service.test_pipeline import running
 from tests.support.fake_engine import FakeEngine, smollm2_tokenizer

@@ -9,7 +9,7 @@ import pytest
 
 from compute.core.config import SpeculativeConfig
 from compute.core.sampling_params import SamplingParams
-from services.pipeline.domain import GenerateInput
+from services.domain import GenerateInput
 from services.pipeline.pipeline import Pipeline
 from tests.engine.test_speculative_engine import PARAGRAPH, make_engine
 from tests.service.test_pipeline import collect

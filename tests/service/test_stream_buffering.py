@@ -8,7 +8,7 @@ import asyncio
 
 from compute.core.messages import TokenLogprob
 from compute.core.sampling_params import SamplingParams
-from services.pipeline.domain import Chunk, Complete, GenerateInput
+from services.domain import Chunk, Complete, GenerateInput
 from services.pipeline.request_state import RequestStream
 from tests.conftest import SCRIPT_TEXT
 from tests.service.test_pipeline import running

@@ -1,6 +1,7 @@
-"""Domain records between the gRPC servicer and the pipeline (no protobuf here).
+"""Domain records between the gRPC servicers and the pipeline (no protobuf here): the
+ground floor of services/, which every role folder may read.
 
-The servicer converts protobuf -> these records, calls the pipeline, and
+Each servicer converts protobuf -> these records, calls the pipeline, and
 converts the events it yields back to protobuf. Errors travel as
 ``RequestError`` subclasses (a bad field: compute.core.errors.FieldError), mapped to
 status codes in one place.
@@ -15,6 +16,8 @@ from compute.core.errors import FieldError, RequestError
 from compute.core.grammar import Constraint
 from compute.core.messages import FinishReason, TokenLogprob
 from compute.core.sampling_params import SamplingParams
+
+MAX_REQUEST_ID_CHARS = 128  # a client's request id, on either protocol
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from compute.core.errors import FieldError
 from compute.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 MIB = 1024 * 1024
+DEFAULT_MAX_BATCH_REQUESTS = 64  # most requests in one GenerateBatch call
 
 
 @dataclass(frozen=True)

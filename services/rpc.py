@@ -1,4 +1,5 @@
-"""Which gRPC methods each interceptor applies to: the one table they all read.
+"""The RPC table: which gRPC methods each interceptor applies to (the one table they all
+read), and the interceptors' own types.
 
     method                               token    drain gate  status mapping  traced
     /headrace.v1.GenerationService/*     needed   gated       mapped          yes
@@ -17,10 +18,19 @@ gateway keeps polling a draining worker); the worker protocol's polls (GetLoads 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+
+import grpc
+
 SERVICE = "/headrace.v1.GenerationService/"
 WORKER = "/vllm.grpc.engine.VllmEngine/"  # services/worker
 HEALTH = "/grpc.health.v1.Health/"
 REFLECTION = "/grpc.reflection."  # v1alpha and v1
+
+# What an interceptor wraps a handler in, and what it calls to reach the next one.
+Around = Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager]
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
 
 _GATED = (SERVICE, WORKER + "Generate")
 _MAPPED = (SERVICE, WORKER)
