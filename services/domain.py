@@ -102,6 +102,7 @@ class ModelInfo:
     device: str
     block_size: int
     kv_cache_capacity_tokens: int
+    kv_cache_dtype: str  # --kv-cache-dtype as it took effect: float32, float16, bfloat16, int8
     weights: str = "dense"  # --weights as it took effect: dense, quantized, quantized-int8
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # captured decode graphs (--cuda-graphs)
     async_output: bool = False  # --async-output as it took effect

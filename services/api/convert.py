@@ -10,6 +10,8 @@ protobuf here and only here.
 
 from __future__ import annotations
 
+import dataclasses
+
 from compute.core.errors import FieldError
 from compute.core.grammar import Constraint
 from compute.core.messages import FinishReason, TokenLogprob
@@ -193,29 +195,5 @@ def tokenize_args(request: pb.TokenizeRequest) -> dict:
 
 
 def model_info_to_pb(info: ModelInfo) -> pb.GetModelInfoResponse:
-    return pb.GetModelInfoResponse(
-        model_name=info.model_name,
-        architecture=info.architecture,
-        max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids,
-        dtype=info.dtype,
-        device=info.device,
-        block_size=info.block_size,
-        kv_cache_capacity_tokens=info.kv_cache_capacity_tokens,
-        weights=info.weights,
-        cuda_graph_batch_sizes=info.cuda_graph_batch_sizes,
-        async_output=info.async_output,
-        constraint_kinds=info.constraint_kinds,
-        grammar_library=info.grammar_library,
-        grammar_compile_timeout_seconds=info.grammar_compile_timeout_seconds,
-        grammar_cache_size=info.grammar_cache_size,
-        max_constraint_chars=info.max_constraint_chars,
-        rope_type=info.rope_type,
-        sliding_window=info.sliding_window,
-        sliding_window_layers=info.sliding_window_layers,
-        num_layers=info.num_layers,
-        attn_logit_softcapping=info.attn_logit_softcapping,
-        final_logit_softcapping=info.final_logit_softcapping,
-        features=info.features,
-    )
+    """Field for field: the record and the message share their names (a test checks)."""
+    return pb.GetModelInfoResponse(**dataclasses.asdict(info))

@@ -237,6 +237,7 @@ class Pipeline:
             device=str(engine.device),
             block_size=engine.block_size,
             kv_cache_capacity_tokens=engine.request_limits.kv_capacity_tokens,
+            kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."),
             weights=engine.weights,
             cuda_graph_batch_sizes=engine.cuda_graph_batch_sizes,
             async_output=engine.async_output,

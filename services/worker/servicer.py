@@ -170,7 +170,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
             data_parallel_size=1,
             block_size=info.block_size,
             model_dtype=info.dtype,
-            kv_cache_dtype="auto",
+            kv_cache_dtype=info.kv_cache_dtype,
             # No reasoning parser: a request's grammar applies from its first token.
             constrained_decoding_start="first_token" if info.constraint_kinds else "",
         )

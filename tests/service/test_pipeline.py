@@ -13,7 +13,7 @@ import pytest
 from compute.core.errors import FieldError
 from compute.core.sampling_params import SamplingParams
 from compute.tokenizer.tokenizer import Tokenizer
-from services.pipeline.domain import (
+from services.domain import (
     ChatMessage,
     Chunk,
     Complete,
@@ -285,6 +285,7 @@ def test_tokenize_model_info_and_stats(engine: FakeEngine, tok: Tokenizer) -> No
     assert info.vocab_size == 49152 and info.max_model_len == 2048
     assert info.dtype == "float32" and info.device == "cpu"
     assert info.kv_cache_capacity_tokens == engine.num_blocks * engine.block_size
+    assert info.kv_cache_dtype == "float32"  # the engine's cache, not the flag's "auto"
 
 
 def test_stop_fails_streams_in_flight_and_refuses_new_ones(engine: FakeEngine) -> None:

@@ -116,3 +116,15 @@ def test_api_names_are_the_agreed_ones() -> None:
     ]
     assert pb.FinishReason.Name(1) == "FINISH_REASON_STOP"
     assert pb.FinishReason.Name(2) == "FINISH_REASON_LENGTH"
+
+
+def test_model_info_record_and_message_share_their_fields() -> None:
+    # services/api/convert.py maps the record onto the message by name (asdict): a field
+    # added to one and not the other must fail here, not at the first GetModelInfo.
+    import dataclasses
+
+    from services.domain import ModelInfo
+
+    record = {f.name for f in dataclasses.fields(ModelInfo)}
+    message = set(pb.GetModelInfoResponse.DESCRIPTOR.fields_by_name)
+    assert record == message

@@ -477,6 +477,7 @@ def test_model_info_says_how_the_weights_are_held(real: RunningServer) -> None:
     info = real.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT)
     assert info.weights == ("quantized" if cpu.available() else "dense")
     assert info.dtype == "float32" and info.device == "cpu"
+    assert info.kv_cache_dtype == "float32"  # "auto": the model dtype unless weights are int8
     # On the CPU: no CUDA graphs, synchronous output (both default on for CUDA only).
     assert list(info.cuda_graph_batch_sizes) == [] and info.async_output is False
 

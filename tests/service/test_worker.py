@@ -212,6 +212,7 @@ def test_info_and_loads(served: RunningServer) -> None:
     ]
     server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT)
     assert server.server_type == "vllm-grpc" and server.block_size == model.block_size
+    assert server.kv_cache_dtype == model.kv_cache_dtype == "float32"  # never "auto"
     loads = stub.GetLoads(pb.GetLoadsRequest(), timeout=TIMEOUT)
     assert loads.dp_rank_count == 1 and loads.loads[0].num_running_reqs == 0
     error = _error(lambda: stub.GetLoads(pb.GetLoadsRequest(dp_rank=1), timeout=TIMEOUT))

@@ -76,6 +76,7 @@ class FakeEngine:
         self.request_limits = RequestLimits(max_model_len, self.num_blocks, self.block_size, vocab)
         self.device = torch.device("cpu")
         self.dtype = torch.float32
+        self.kv_dtype = torch.float32
         self.weights = "dense"
         self.cuda_graph_batch_sizes: tuple[int, ...] = ()
         self.async_output = False

@@ -248,7 +248,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "block_size", "kv_cache_capacity_tokens", "weights", "cuda_graph_batch_sizes", "async_output", "constraint_kinds", "grammar_library", "grammar_compile_timeout_seconds", "grammar_cache_size", "max_constraint_chars", "rope_type", "sliding_window", "sliding_window_layers", "num_layers", "attn_logit_softcapping", "final_logit_softcapping", "features")
+    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "block_size", "kv_cache_capacity_tokens", "weights", "cuda_graph_batch_sizes", "async_output", "constraint_kinds", "grammar_library", "grammar_compile_timeout_seconds", "grammar_cache_size", "max_constraint_chars", "kv_cache_dtype", "rope_type", "sliding_window", "sliding_window_layers", "num_layers", "attn_logit_softcapping", "final_logit_softcapping", "features")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class GetModelInfoResponse(_message.Message):
     GRAMMAR_COMPILE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_CACHE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONSTRAINT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     ROPE_TYPE_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +291,7 @@ class GetModelInfoResponse(_message.Message):
     grammar_compile_timeout_seconds: float
     grammar_cache_size: int
     max_constraint_chars: int
+    kv_cache_dtype: str
     rope_type: str
     sliding_window: int
     sliding_window_layers: int
@@ -297,4 +299,4 @@ class GetModelInfoResponse(_message.Message):
     attn_logit_softcapping: float
     final_logit_softcapping: float
     features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., weights: _Optional[str] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., async_output: _Optional[bool] = ..., constraint_kinds: _Optional[_Iterable[str]] = ..., grammar_library: _Optional[str] = ..., grammar_compile_timeout_seconds: _Optional[float] = ..., grammar_cache_size: _Optional[int] = ..., max_constraint_chars: _Optional[int] = ..., rope_type: _Optional[str] = ..., sliding_window: _Optional[int] = ..., sliding_window_layers: _Optional[int] = ..., num_layers: _Optional[int] = ..., attn_logit_softcapping: _Optional[float] = ..., final_logit_softcapping: _Optional[float] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., weights: _Optional[str] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., async_output: _Optional[bool] = ..., constraint_kinds: _Optional[_Iterable[str]] = ..., grammar_library: _Optional[str] = ..., grammar_compile_timeout_seconds: _Optional[float] = ..., grammar_cache_size: _Optional[int] = ..., max_constraint_chars: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., rope_type: _Optional[str] = ..., sliding_window: _Optional[int] = ..., sliding_window_layers: _Optional[int] = ..., num_layers: _Optional[int] = ..., attn_logit_softcapping: _Optional[float] = ..., final_logit_softcapping: _Optional[float] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
