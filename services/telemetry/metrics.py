@@ -10,6 +10,7 @@ A private ``CollectorRegistry`` rather than the global one lets tests build many
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -26,6 +27,101 @@ _STEP_BUCKETS = (
 )  # fmt: skip
 _POW2 = tuple(float(2**i) for i in range(14))  # 1 .. 8192
 
+
+@dataclass(frozen=True)
+class _Spec:
+    """One metric: the Metrics attribute that holds it, and how it is registered."""
+
+    attr: str
+    kind: type[Gauge] | type[Counter] | type[Histogram]
+    name: str
+    help: str
+    buckets: tuple[float, ...] = ()  # histograms only
+    labels: tuple[str, ...] = ()
+
+
+_STEP = "Seconds per engine step spent in "
+_METRICS = (
+    # Mirrors of the engine's stats snapshots, plus the step loop's idle share.
+    _Spec("requests_running", Gauge, "headrace_requests_running",
+          "Sequences running in the engine"),
+    _Spec("requests_waiting", Gauge, "headrace_requests_waiting",
+          "Sequences waiting in the engine"),
+    _Spec("kv_cache_usage", Gauge, "headrace_kv_cache_usage_ratio",
+          "Fraction of KV blocks owned by live sequences"),
+    _Spec("step_loop_idle", Gauge, "headrace_step_loop_idle_ratio",
+          "Fraction of busy wall time the step loop sat waiting for work"),
+    _Spec("prefix_cache_hit_tokens", Counter, "headrace_prefix_cache_hit_tokens_total",
+          "Prompt tokens served by the prefix cache"),
+    _Spec("preemptions", Counter, "headrace_preemptions_total",
+          "Sequences preempted for lack of KV blocks"),
+    _Spec("prompt_tokens", Counter, "headrace_prompt_tokens_total", "Prompt tokens computed"),
+    _Spec("generation_tokens", Counter, "headrace_generation_tokens_total", "Tokens sampled"),
+    # Speculative decoding: acceptance rate = accepted / draft; tokens per verifying step
+    # and sequence = emitted / (emitted - accepted).
+    _Spec("spec_draft_tokens", Counter, "headrace_spec_decode_draft_tokens_total",
+          "Speculative draft tokens scored"),
+    _Spec("spec_accepted_tokens", Counter, "headrace_spec_decode_accepted_tokens_total",
+          "Speculative draft tokens accepted"),
+    _Spec("spec_emitted_tokens", Counter, "headrace_spec_decode_emitted_tokens_total",
+          "Tokens emitted by steps that verified a draft (accepted + one each)"),
+    # n > 1: the samples after the first, by how their prompt's K/V was had.
+    _Spec("samples_admitted", Counter, "headrace_samples_admitted_total",
+          "Extra samples of n > 1 requests admitted: forked (the first sample's prompt KV "
+          "blocks shared, one token computed) or recomputed (it had ended or was not "
+          "running: prefix-cache hits and the rest computed)", labels=("admission",)),
+    # Per-request outcomes and latencies, recorded by stage 3 and the facade.
+    _Spec("requests_finished", Counter, "headrace_requests_finished_total",
+          "Requests that ended, by finish reason", labels=("finish_reason",)),
+    _Spec("requests_rejected", Counter, "headrace_requests_rejected_total",
+          "Requests refused before running, by reason", labels=("reason",)),
+    _Spec("queue_time", Histogram, "headrace_queue_time_seconds", "Arrival to first scheduled",
+          _LATENCY_BUCKETS),
+    _Spec("ttft", Histogram, "headrace_time_to_first_token_seconds",
+          "Arrival to first token chunk", _LATENCY_BUCKETS),
+    _Spec("inter_token_latency", Histogram, "headrace_inter_token_latency_seconds",
+          "Time between token chunks of a request, per token", _ITL_BUCKETS),
+    _Spec("prefill_time", Histogram, "headrace_prefill_time_seconds",
+          "First scheduled to first token chunk", _LATENCY_BUCKETS),
+    _Spec("decode_time", Histogram, "headrace_decode_time_seconds", "First token chunk to the end",
+          _LATENCY_BUCKETS),
+    _Spec("e2e_latency", Histogram, "headrace_e2e_request_latency_seconds",
+          "Arrival to the last event", _LATENCY_BUCKETS),
+    # vLLM's names for the load signals routers read by default (the Gateway API Inference
+    # Extension's model-server protocol, llm-d, SMG): same values as the headrace_* gauges.
+    _Spec("vllm_waiting", Gauge, "vllm:num_requests_waiting", "Alias of headrace_requests_waiting"),
+    _Spec("vllm_running", Gauge, "vllm:num_requests_running", "Alias of headrace_requests_running"),
+    _Spec("vllm_kv_usage", Gauge, "vllm:kv_cache_usage_perc",
+          "Alias of headrace_kv_cache_usage_ratio (a fraction in [0, 1], as vLLM's)"),
+    _Spec("vllm_cache_config", Gauge, "vllm:cache_config_info",
+          "KV cache configuration (labels); the value is always 1",
+          labels=("block_size", "num_gpu_blocks")),
+    # Per engine step, from the StepTiming the step loop attaches (stage 3 observes).
+    _Spec("step_schedule", Histogram, "headrace_step_schedule_seconds", _STEP + "scheduling",
+          _STEP_BUCKETS),
+    _Spec("step_forward", Histogram, "headrace_step_forward_seconds", _STEP + "the forward pass",
+          _STEP_BUCKETS),
+    _Spec("step_sample", Histogram, "headrace_step_sample_seconds",
+          _STEP + "sampling and the scheduler update", _STEP_BUCKETS),
+    _Spec("step_idle", Histogram, "headrace_step_idle_seconds",
+          "Seconds the step loop waited for input before a step while requests were live",
+          _STEP_BUCKETS),
+    _Spec("step_batch_size", Histogram, "headrace_step_batch_size", "Sequences per engine step",
+          _POW2),
+    _Spec("step_tokens", Histogram, "headrace_step_tokens", "Tokens computed per engine step",
+          _POW2),
+    # Grammar constraints (compute/sampling/grammar_masks.py,
+    # services/pipeline/grammar_compile.py).
+    _Spec("constrained_requests", Counter, "headrace_constrained_requests",
+          "Requests admitted with a grammar constraint", labels=("kind",)),
+    _Spec("grammar_compile", Histogram, "headrace_grammar_compile_seconds",
+          "Seconds to compile a constraint (outcome: compiled, cached, invalid, timeout, error)",
+          _STEP_BUCKETS + (5.0, 10.0), ("outcome",)),
+    _Spec("grammar_mask", Histogram, "headrace_grammar_mask_seconds",
+          "Seconds per engine step computing the grammar masks of its constrained rows",
+          _STEP_BUCKETS),
+)  # fmt: skip
+
 # EngineStats cumulative fields mirrored as counters: field -> metric attribute.
 _CUMULATIVE = {
     "prefix_cache_hit_tokens": "prefix_cache_hit_tokens",
@@ -40,6 +136,11 @@ _CUMULATIVE = {
 }
 
 
+def _register(spec: _Spec, registry: CollectorRegistry) -> Gauge | Counter | Histogram:
+    extra = {"buckets": spec.buckets} if spec.buckets else {}
+    return spec.kind(spec.name, spec.help, list(spec.labels), registry=registry, **extra)
+
+
 class Metrics:
     """Every headrace_* metric; thread-safe (prometheus_client locks internally)."""
 
@@ -47,146 +148,11 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._add_engine_metrics(self.registry)
-        self._add_request_metrics(self.registry)
-        self._add_vllm_aliases(self.registry)
-        self._add_step_metrics(self.registry)
-        self._add_grammar_metrics(self.registry)
+        for spec in _METRICS:
+            setattr(self, spec.attr, _register(spec, self.registry))
+        self.samples_forked = self.samples_admitted.labels(admission="forked")
+        self.samples_recomputed = self.samples_admitted.labels(admission="recomputed")
         self._last_cumulative = dict.fromkeys(_CUMULATIVE, 0)
-
-    def _add_engine_metrics(self, r: CollectorRegistry) -> None:
-        """Mirrors of the engine's stats snapshots, plus the step loop's idle share."""
-        self.requests_running = Gauge(
-            "headrace_requests_running", "Sequences running in the engine", registry=r
-        )
-        self.requests_waiting = Gauge(
-            "headrace_requests_waiting", "Sequences waiting in the engine", registry=r
-        )
-        self.kv_cache_usage = Gauge(
-            "headrace_kv_cache_usage_ratio",
-            "Fraction of KV blocks owned by live sequences",
-            registry=r,
-        )
-        self.step_loop_idle = Gauge(
-            "headrace_step_loop_idle_ratio",
-            "Fraction of busy wall time the step loop sat waiting for work",
-            registry=r,
-        )
-        self.prefix_cache_hit_tokens = Counter(
-            "headrace_prefix_cache_hit_tokens_total",
-            "Prompt tokens served by the prefix cache",
-            registry=r,
-        )
-        self.preemptions = Counter(
-            "headrace_preemptions_total", "Sequences preempted for lack of KV blocks", registry=r
-        )
-        self.prompt_tokens = Counter(
-            "headrace_prompt_tokens_total", "Prompt tokens computed", registry=r
-        )
-        self.generation_tokens = Counter(
-            "headrace_generation_tokens_total", "Tokens sampled", registry=r
-        )
-        # Speculative decoding: acceptance rate = accepted / draft; tokens per verifying
-        # step and sequence = emitted / (emitted - accepted).
-        self.spec_draft_tokens = Counter(
-            "headrace_spec_decode_draft_tokens_total",
-            "Speculative draft tokens scored",
-            registry=r,
-        )
-        self.spec_accepted_tokens = Counter(
-            "headrace_spec_decode_accepted_tokens_total",
-            "Speculative draft tokens accepted",
-            registry=r,
-        )
-        self.spec_emitted_tokens = Counter(
-            "headrace_spec_decode_emitted_tokens_total",
-            "Tokens emitted by steps that verified a draft (accepted + one each)",
-            registry=r,
-        )
-        # n > 1: the samples after the first, by how their prompt's K/V was had.
-        samples = Counter(
-            "headrace_samples_admitted_total",
-            "Extra samples of n > 1 requests admitted: forked (the first sample's prompt KV "
-            "blocks shared, one token computed) or recomputed (it had ended or was not "
-            "running: prefix-cache hits and the rest computed)",
-            ["admission"],
-            registry=r,
-        )
-        self.samples_forked = samples.labels(admission="forked")
-        self.samples_recomputed = samples.labels(admission="recomputed")
-
-    def _add_request_metrics(self, r: CollectorRegistry) -> None:
-        """Per-request outcomes and latencies, recorded by stage 3 and the facade."""
-        self.requests_finished = Counter(
-            "headrace_requests_finished_total",
-            "Requests that ended, by finish reason",
-            ["finish_reason"],
-            registry=r,
-        )
-        self.requests_rejected = Counter(
-            "headrace_requests_rejected_total",
-            "Requests refused before running, by reason",
-            ["reason"],
-            registry=r,
-        )
-        self.queue_time = Histogram(
-            "headrace_queue_time_seconds",
-            "Arrival to first scheduled",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "headrace_time_to_first_token_seconds",
-            "Arrival to first token chunk",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.inter_token_latency = Histogram(
-            "headrace_inter_token_latency_seconds",
-            "Time between token chunks of a request, per token",
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        )
-        self.prefill_time = Histogram(
-            "headrace_prefill_time_seconds",
-            "First scheduled to first token chunk",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.decode_time = Histogram(
-            "headrace_decode_time_seconds",
-            "First token chunk to the end",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e_latency = Histogram(
-            "headrace_e2e_request_latency_seconds",
-            "Arrival to the last event",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-
-    def _add_vllm_aliases(self, r: CollectorRegistry) -> None:
-        """vLLM's names for the load signals routers read by default (the Gateway API
-        Inference Extension's model-server protocol, llm-d, SMG): same values as the
-        headrace_* gauges."""
-        self.vllm_waiting = Gauge(
-            "vllm:num_requests_waiting", "Alias of headrace_requests_waiting", registry=r
-        )
-        self.vllm_running = Gauge(
-            "vllm:num_requests_running", "Alias of headrace_requests_running", registry=r
-        )
-        self.vllm_kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc",
-            "Alias of headrace_kv_cache_usage_ratio (a fraction in [0, 1], as vLLM's)",
-            registry=r,
-        )
-        self.vllm_cache_config = Gauge(
-            "vllm:cache_config_info",
-            "KV cache configuration (labels); the value is always 1",
-            ["block_size", "num_gpu_blocks"],
-            registry=r,
-        )
 
     def set_cache_config(self, block_size: int, num_blocks: int) -> None:
         """vllm:cache_config_info{block_size, num_gpu_blocks} (num_gpu_blocks = KV blocks,
@@ -194,45 +160,6 @@ class Metrics:
         self.vllm_cache_config.labels(
             block_size=str(block_size), num_gpu_blocks=str(num_blocks)
         ).set(1)
-
-    def _add_step_metrics(self, r: CollectorRegistry) -> None:
-        """Per engine step, from the StepTiming the step loop attaches (stage 3 observes)."""
-        phase = "Seconds per engine step spent in "
-        self.step_schedule = Histogram("headrace_step_schedule_seconds", phase + "scheduling",
-                                       buckets=_STEP_BUCKETS, registry=r)  # fmt: skip
-        self.step_forward = Histogram("headrace_step_forward_seconds", phase + "the forward pass",
-                                      buckets=_STEP_BUCKETS, registry=r)  # fmt: skip
-        self.step_sample = Histogram(
-            "headrace_step_sample_seconds", phase + "sampling and the scheduler update",
-            buckets=_STEP_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.step_idle = Histogram(
-            "headrace_step_idle_seconds",
-            "Seconds the step loop waited for input before a step while requests were live",
-            buckets=_STEP_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.step_batch_size = Histogram("headrace_step_batch_size", "Sequences per engine step",
-                                         buckets=_POW2, registry=r)  # fmt: skip
-        self.step_tokens = Histogram("headrace_step_tokens", "Tokens computed per engine step",
-                                     buckets=_POW2, registry=r)  # fmt: skip
-
-    def _add_grammar_metrics(self, r: CollectorRegistry) -> None:
-        """Grammar constraints (compute/sampling/grammar_masks.py,
-        services/pipeline/grammar_compile.py)."""
-        self.constrained_requests = Counter(
-            "headrace_constrained_requests", "Requests admitted with a grammar constraint",
-            ["kind"], registry=r,
-        )  # fmt: skip
-        self.grammar_compile = Histogram(
-            "headrace_grammar_compile_seconds",
-            "Seconds to compile a constraint (outcome: compiled, cached, invalid, timeout, error)",
-            ["outcome"], buckets=_STEP_BUCKETS + (5.0, 10.0), registry=r,
-        )  # fmt: skip
-        self.grammar_mask = Histogram(
-            "headrace_grammar_mask_seconds",
-            "Seconds per engine step computing the grammar masks of its constrained rows",
-            buckets=_STEP_BUCKETS, registry=r,
-        )  # fmt: skip
 
     def observe_constrained(self, kind: str) -> None:
         self.constrained_requests.labels(kind=kind).inc()
@@ -298,15 +225,21 @@ def _dropped(self: Metrics, *args: object, **kwargs: object) -> None:
     """An observation nobody records."""
 
 
+def _sink(cls: type[Metrics]) -> type[Metrics]:
+    """Every public method of Metrics (and __init__) replaced by one that drops its call."""
+    for name, value in vars(Metrics).items():
+        if callable(value) and not name.startswith("_") and name != "render":
+            setattr(cls, name, _dropped)
+    cls.__init__ = _dropped  # type: ignore[method-assign]
+    return cls
+
+
+@_sink
 class NoMetrics(Metrics):
     """The sink when metrics are off: it takes every observation and records none, so
     callers never ask whether metrics are on. It has no registry to serve."""
 
     enabled = False
-    __init__ = set_cache_config = observe_step = observe_engine_stats = _dropped
-    observe_first_token = observe_decode = observe_inter_token = _dropped
-    observe_finished = observe_rejected = bind_step_loop_idle_ratio = _dropped
-    observe_constrained = observe_grammar_compile = _dropped
 
 
 NO_METRICS = NoMetrics()

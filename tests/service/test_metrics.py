@@ -148,3 +148,24 @@ def test_grammar_metrics_count_constrained_requests_compiles_and_mask_time() -> 
     assert found[("headrace_grammar_compile_seconds_count", (("outcome", "cached"),))] == 1
     assert found[("headrace_grammar_mask_seconds_count", ())] == 1  # unconstrained steps: none
     assert found[("headrace_grammar_mask_seconds_sum", ())] == 0.0005
+
+
+def test_no_metrics_takes_every_observation_and_records_none() -> None:
+    # Every public method of Metrics must be dropped by the sink: one added to Metrics and
+    # not overridden would run on an object with no registry, and fail only when metrics
+    # are off.
+    import inspect
+
+    from services.telemetry.metrics import NO_METRICS, NoMetrics
+
+    methods = [
+        name
+        for name, value in vars(Metrics).items()
+        if inspect.isfunction(value) and not name.startswith("_") and name != "render"
+    ]
+    assert len(methods) >= 10
+    for name in methods:
+        arity = len(inspect.signature(getattr(Metrics, name)).parameters) - 1
+        assert getattr(NO_METRICS, name)(*[None] * arity) is None, name
+        assert getattr(NoMetrics, name) is not getattr(Metrics, name), name
+    assert not hasattr(NO_METRICS, "registry") and NO_METRICS.enabled is False
