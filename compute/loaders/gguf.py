@@ -5,7 +5,8 @@ to HF Llama names and either dequantized with `gguf.quants.dequantize` (vectoris
 quantization the package supports) and cast to the requested dtype and device, or, when asked
 (``quantized=True``) and its format is one the CPU kernels read (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
 Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), kept in its blocks as a kernels.cpu.quant.QuantizedWeight.
-Matrices of any other quantized type load dequantized, named in one warning.
+Matrices of any other quantized type load dequantized, named in one warning. The family named
+by `general.architecture` says, as data, which deltas to read (compute/models/families.py).
 """
 
 from __future__ import annotations
@@ -22,31 +23,13 @@ from tqdm import tqdm
 from compute.core.config import ModelConfig
 from compute.loaders.base import LoadedModel, ModelLoadError, check_weights
 from compute.loaders.memory_check import check_fits
+from compute.models.families import PATTERN, Family, gguf_family
 from compute.tokenizer.gguf_vocab import gguf_field
 from compute.tokenizer.tokenizer import Tokenizer
 from kernels.cpu.quant import QuantizedWeight
 from kernels.log import get_logger
 
 log = get_logger(__name__)
-
-SUPPORTED_ARCHITECTURES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "phi3",
-    "qwen3moe",
-    "gemma2",
-    "gemma3",
-)
-# Gemma's deltas (compute/core/config.py); the converter has folded its (1 + w) into the norms.
-_GEMMA = ("gemma2", "gemma3")
-# llama.cpp's sliding/full layer pattern when the file lists none (llama-hparams
-# set_swa_pattern: layer i slides when i % n < n - 1), and its RoPE base of sliding layers.
-_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
-_SWA_ROPE_BASE = {"gemma3": 10000.0}
-# llama.cpp's converter permutes Q/K rows of these for its rotary layout (see _unpermute).
-_PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -73,8 +56,9 @@ _BLOCK_NAMES = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp")
-# Gemma's norms: ffn_norm is the MLP's input norm, the other two its sandwich norms.
-_GEMMA_NORM_NAMES = {
+# Sandwich norms (Family.sandwich_norms: Gemma): ffn_norm is the MLP's input norm, the other
+# two the norms of the attention and MLP outputs.
+_SANDWICH_NORM_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
@@ -117,14 +101,14 @@ def load_gguf(
     """Read a GGUF file: config and tokenizer from its metadata; weights dequantized, or
     (``quantized``) matrices of the formats in _KEPT_FORMATS kept in their blocks."""
     reader = _open(path)
-    arch = _architecture(reader, path)
+    family = _family(reader, path)
     try:
         tokenizer = Tokenizer.from_gguf(reader)
     except Exception as err:  # tokenizers reports bad vocabularies as plain Exception
         raise ModelLoadError(f"{path}: cannot build the tokenizer: {err}") from err
-    config = _config(reader, path, arch, tokenizer)
+    config = _config(reader, path, family, tokenizer)
     check_fits(_weights_bytes(reader, dtype, quantized), str(path))
-    weights = _read_weights(reader, config, path, dtype, device, progress, quantized)
+    weights = _read_weights(reader, config, family, path, dtype, device, progress, quantized)
     check_weights(weights, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
 
@@ -141,25 +125,26 @@ def _open(path: Path) -> gguf.GGUFReader:
         ) from err
 
 
-def _architecture(reader: gguf.GGUFReader, path: Path) -> str:
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {supported})")
-    return arch
+def _family(reader: gguf.GGUFReader, path: Path) -> Family:
+    """The file's family (compute/models/families.py), by its general.architecture."""
+    try:
+        return gguf_family(gguf_field(reader, "general.architecture"))
+    except ValueError as err:
+        raise ModelLoadError(f"{path}: {err}") from err
 
 
-def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer) -> ModelConfig:
+def _config(
+    reader: gguf.GGUFReader, path: Path, family: Family, tokenizer: Tokenizer
+) -> ModelConfig:
     names = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in names:
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
+    arch = family.gguf_architecture
     hidden = _required(reader, path, f"{arch}.embedding_length")
     num_heads = _required(reader, path, f"{arch}.attention.head_count")
     head_dim = gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads)
     max_positions = gguf_field(reader, f"{arch}.context_length", 4096)
-    window = gguf_field(reader, f"{arch}.attention.sliding_window")
     num_layers = _required(reader, path, f"{arch}.block_count")
-    window = int(window) if window and window < max_positions else None
     try:
         return ModelConfig(
             name=path.name.removesuffix(".gguf"),
@@ -177,8 +162,8 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
             tie_word_embeddings="output.weight" not in names,
             qkv_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
-            sliding_window=window,
-            **_gemma(reader, path, arch, hidden, num_layers, window),
+            **_window(reader, family, max_positions, num_layers),
+            **_deltas(reader, path, family, hidden, num_layers),
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tokenizer.eos_token_ids,
             **_rope(reader, path, arch, head_dim, names),
@@ -188,37 +173,57 @@ def _config(reader: gguf.GGUFReader, path: Path, arch: str, tokenizer: Tokenizer
         raise ModelLoadError(f"{path}: inconsistent metadata: {err}") from err
 
 
-def _gemma(
-    reader: gguf.GGUFReader, path: Path, arch: str, hidden: int, layers: int, window: int | None
+def _deltas(
+    reader: gguf.GGUFReader, path: Path, family: Family, hidden: int, layers: int
 ) -> dict[str, Any]:
-    """ModelConfig's Gemma fields as llama.cpp reads them (none for other architectures)."""
-    if arch not in _GEMMA:
-        return {}
-    fields: dict[str, Any] = {"hidden_act": "gelu_tanh", "embed_scale": hidden**0.5}
-    fields["sandwich_norms"] = True
-    for key, field in (
-        ("attn_logit_softcapping", "attn_logit_softcap"),
-        ("final_logit_softcapping", "final_logit_softcap"),
-    ):
-        cap = gguf_field(reader, f"{arch}.{key}")
-        fields[field] = _f32(cap) if cap else None
+    """ModelConfig's fields of the family's deltas as llama.cpp reads them (Gemma's: its
+    converter has folded the (1 + w) into the norms); q/k biases and norms are read from the
+    file's tensors."""
+    arch = family.gguf_architecture
+    fields: dict[str, Any] = {
+        "hidden_act": family.activations[0],
+        "sandwich_norms": family.sandwich_norms,
+    }
+    if family.embed_scale:
+        fields["embed_scale"] = hidden**0.5
+    if family.logit_softcaps:
+        for key, field in (
+            ("attn_logit_softcapping", "attn_logit_softcap"),
+            ("final_logit_softcapping", "final_logit_softcap"),
+        ):
+            cap = gguf_field(reader, f"{arch}.{key}")
+            fields[field] = _f32(cap) if cap else None
     # llama.cpp scales by head_dim ** -0.5, but by (hidden / heads) ** -0.5 on the 27B
     # models (their query_pre_attn_scalar), which it recognises by their layer count.
-    if layers == {"gemma2": 46, "gemma3": 62}[arch]:
+    if layers == family.gguf_scalar_layers:
         heads = _required(reader, path, f"{arch}.attention.head_count")
         fields["query_pre_attn_scalar"] = float(hidden // heads)
-    if window is not None:
-        pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
-        if isinstance(pattern, list):
-            fields["layer_types"] = tuple("sliding" if p else "full" for p in pattern)
-        else:
-            n = int(pattern or _SWA_PATTERN[arch])
-            fields["layer_types"] = tuple(
-                "sliding" if i % n < n - 1 else "full" for i in range(layers)
-            )
-        if arch in _SWA_ROPE_BASE:
-            base = gguf_field(reader, f"{arch}.rope.freq_base_swa", _SWA_ROPE_BASE[arch])
-            fields["rope_local_theta"] = _f32(base)
+    return fields
+
+
+def _window(
+    reader: gguf.GGUFReader, family: Family, max_positions: int, layers: int
+) -> dict[str, Any]:
+    """ModelConfig's sliding-window fields: the window (none when it spans the context) and,
+    for a family whose sliding and full layers alternate, each layer's kind and the sliding
+    layers' RoPE base (for the others the window applies to every layer)."""
+    arch = family.gguf_architecture
+    window = gguf_field(reader, f"{arch}.attention.sliding_window")
+    fields: dict[str, Any] = {
+        "sliding_window": int(window) if window and window < max_positions else None
+    }
+    if fields["sliding_window"] is None or family.window_layers != PATTERN:
+        return fields
+    pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        fields["layer_types"] = tuple("sliding" if p else "full" for p in pattern)
+    else:
+        # llama.cpp's pattern when the file lists none (llama-hparams set_swa_pattern).
+        n = int(pattern or family.swa_pattern)
+        fields["layer_types"] = tuple("sliding" if i % n < n - 1 else "full" for i in range(layers))
+    if family.local_rope_base is not None:
+        base = gguf_field(reader, f"{arch}.rope.freq_base_swa", family.local_rope_base)
+        fields["rope_local_theta"] = _f32(base)
     return fields
 
 
@@ -301,11 +306,11 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+def _hf_name(gguf_name: str, sandwich_norms: bool = False) -> str | None:
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    names = {**_BLOCK_NAMES, **_GEMMA_NORM_NAMES} if arch in _GEMMA else _BLOCK_NAMES
+    names = {**_BLOCK_NAMES, **_SANDWICH_NORM_NAMES} if sandwich_norms else _BLOCK_NAMES
     if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
@@ -363,18 +368,18 @@ def _weights_bytes(reader: gguf.GGUFReader, dtype: torch.dtype, quantized: bool)
 def _read_weights(
     reader: gguf.GGUFReader,
     config: ModelConfig,
+    family: Family,
     path: Path,
     dtype: torch.dtype,
     device: str | torch.device,
     progress: bool,
     quantized: bool,
 ) -> dict[str, torch.Tensor | QuantizedWeight]:
-    permuted = config.architecture in _PERMUTED_ARCHITECTURES
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     unsupported: dict[str, list[str]] = {}  # quantized type -> tensors dequantized anyway
     bar = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress)
     for tensor in bar:
-        name = _hf_name(tensor.name, config.architecture)
+        name = _hf_name(tensor.name, family.sandwich_norms)
         if name is None:
             if tensor.name == _ROPE_FREQS:
                 continue  # in the config (_rope)
@@ -386,16 +391,7 @@ def _read_weights(
         if quantized and not keep and tensor.tensor_type not in _DENSE_TYPES:
             unsupported.setdefault(tensor.tensor_type.name, []).append(tensor.name)
         weight = _kept(tensor) if keep else torch.from_numpy(_dequantize(tensor, path))
-        if permuted and ".q_proj." in name:
-            weight = _unpermute(weight, config.num_heads)
-        elif permuted and ".k_proj." in name:
-            weight = _unpermute(weight, config.num_kv_heads)
-        pieces = (
-            _split_experts(name, weight, config)
-            if ".mlp.experts." in name
-            else _split_fused(name, weight, config)
-        )
-        for part, piece in pieces.items():
+        for part, piece in _pieces(name, weight, config, family).items():
             weights[part] = piece if keep else piece.to(device=device, dtype=dtype)
     if unsupported:
         log.warning(
@@ -404,6 +400,20 @@ def _read_weights(
             tensors={kind: ", ".join(names) for kind, names in unsupported.items()},
         )
     return weights
+
+
+def _pieces(name: str, weight: Any, config: ModelConfig, family: Family) -> dict[str, Any]:
+    """A file's tensor as the weights every loader gives: Q/K rows back in HF's order (the
+    family's converter permuted them), stacked experts and fused projections split."""
+    if family.permuted_qk and ".q_proj." in name:
+        weight = _unpermute(weight, config.num_heads)
+    elif family.permuted_qk and ".k_proj." in name:
+        weight = _unpermute(weight, config.num_kv_heads)
+    if ".mlp.experts." in name:
+        return _split_experts(name, weight, config)
+    if family.fused_projections:
+        return _split_fused(name, weight, config)
+    return {name: weight}
 
 
 def _split_experts(name: str, weight: Any, config: ModelConfig) -> dict[str, Any]:
@@ -429,10 +439,10 @@ def _split_experts(name: str, weight: Any, config: ModelConfig) -> dict[str, Any
 
 
 def _split_fused(name: str, weight: Any, config: ModelConfig) -> dict[str, Any]:
-    """{name: weight}, or Phi-3's fused q|k|v (attn_qkv) or gate|up (its ffn_up, twice the
-    usual rows) as the separate projections every loader gives."""
+    """{name: weight}, or a fused q|k|v (attn_qkv) or gate|up (ffn_up, twice the usual rows:
+    Family.fused_projections, Phi-3) as the separate projections every loader gives."""
     attn = name.endswith(".self_attn.qkv_proj.weight")
-    mlp = config.architecture == "phi3" and name.endswith(".mlp.up_proj.weight")
+    mlp = name.endswith(".mlp.up_proj.weight")
     if attn:
         parts = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size}
         prefix = name.removesuffix("qkv_proj.weight")

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint loader: `config.json` + safetensors (+ tokenizer) to HF-named weights.
 
 Only safetensors are read, single-file or sharded with `model.safetensors.index.json`; pickled
-checkpoints (`*.bin`, `*.pt`) are refused because unpickling runs arbitrary code.
+checkpoints (`*.bin`, `*.pt`) are refused because unpickling runs arbitrary code. The family
+named by `model_type` says, as data, which deltas to read (compute/models/families.py).
 """
 
 from __future__ import annotations
@@ -17,46 +18,23 @@ from tqdm import tqdm
 from compute.core.config import ROPE_TYPES, ModelConfig
 from compute.loaders.base import PICKLE_SUFFIXES, LoadedModel, ModelLoadError, check_weights
 from compute.loaders.memory_check import check_fits
+from compute.models.families import EVERY_LAYER, OPT_IN, PATTERN, Family, hf_family
 from compute.tokenizer.tokenizer import Tokenizer
 from kernels.log import get_logger
 
 log = get_logger(__name__)
 
-# model_type -> the CausalLM class transformers would build; both spellings are accepted.
-SUPPORTED_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",  # mixture of experts (compute/models/moe.py)
-    "mixtral": "MixtralForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-}
-# Gemma's deltas (compute/core/config.py): sqrt(hidden)-scaled embeddings, RMSNorms of
-# (1 + weight) (folded into the weights at load), sandwich norms, GeGLU, query_pre_attn_scalar,
-# soft-caps, alternating sliding / full layers (Gemma 3: each with its own RoPE base).
-_GEMMA = ("gemma2", "gemma3_text")
-# transformers' activation names -> ModelConfig.hidden_act; Llama-style families take silu only.
+# transformers' activation names -> ModelConfig.hidden_act (each family takes those its
+# record lists, compute/models/families.py).
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-# Model types whose `sliding_window` applies to every layer whenever it is set; Qwen2/3 apply
-# it only with use_sliding_window, from layer max_window_layers on.
-_WINDOW_EVERYWHERE = ("mistral", "phi3", "mixtral")
-# Phi-3 stores q|k|v and gate|up fused; split at load into the names every loader gives.
+_HF_ACTIVATIONS = {ours: theirs for theirs, ours in _ACTIVATIONS.items()}
+# Fused projections (Family.fused_projections: Phi-3), split at load into the names every
+# loader gives.
 _FUSED = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                   "self_attn.v_proj.weight"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }  # fmt: skip
-# Mixtral's expert names -> Qwen3-MoE's, which every loader gives (compute/loaders/base.py).
-_MIXTRAL_NAMES = (
-    (".block_sparse_moe.gate.", ".mlp.gate."),
-    (".block_sparse_moe.experts.", ".mlp.experts."),
-    (".w1.weight", ".gate_proj.weight"),
-    (".w3.weight", ".up_proj.weight"),
-    (".w2.weight", ".down_proj.weight"),
-)
 # Router settings of other MoE families that headrace does not implement (only softmax
 # over every expert, then top-k): refused when present with a non-default value.
 _ROUTER_SETTINGS = {
@@ -67,6 +45,16 @@ _ROUTER_SETTINGS = {
     "n_group": (None, 1),
     "topk_group": (None, 1),
     "routed_scaling_factor": (None, 1.0),
+}
+_ROPE_KEYS = {  # each RoPE type's scaling keys -> ModelConfig fields
+    "default": {},
+    "linear": {"factor": "rope_factor"},
+    "llama3": {
+        "factor": "rope_factor",
+        "low_freq_factor": "rope_low_freq_factor",
+        "high_freq_factor": "rope_high_freq_factor",
+        "original_max_position_embeddings": "rope_original_max_position",
+    },
 }
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_GLOBS = tuple(f"*{suffix}" for suffix in PICKLE_SUFFIXES)
@@ -80,9 +68,10 @@ def load_hf_dir(
     raw = _read_json(path / "config.json")
     files = _weight_files(path)  # first, so a pickle-only checkpoint is refused up front
     tokenizer = _tokenizer(path)
-    config = _config(raw, path, tokenizer)
+    family = _family(raw, path)
+    config = _config(raw, path, family, tokenizer)
     check_fits(_weights_bytes(files, dtype), str(path))
-    weights = _read_weights(files, config, dtype, device, progress)
+    weights = _read_weights(files, config, family, dtype, device, progress)
     check_weights(weights, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
 
@@ -108,45 +97,27 @@ def _tokenizer(path: Path) -> Tokenizer:
         raise ModelLoadError(f"{path}: cannot load the tokenizer: {err}") from err
 
 
-def _model_type(raw: dict[str, Any], path: Path) -> str:
-    model_type = raw.get("model_type")
-    if model_type is None:
-        by_class = {cls: kind for kind, cls in SUPPORTED_MODEL_TYPES.items()}
-        model_type = next(
-            (by_class[a] for a in raw.get("architectures", []) if a in by_class), None
-        )
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{path / 'config.json'}: unsupported architecture {model_type!r} "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+def _family(raw: dict[str, Any], path: Path) -> Family:
+    """The checkpoint's family (compute/models/families.py); an architecture headrace does not
+    know, or a setting none of its families has, is refused."""
+    try:
+        family = hf_family(raw.get("model_type"), raw.get("architectures", []))
+    except ValueError as err:
+        raise ModelLoadError(f"{path / 'config.json'}: {err}") from err
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise ModelLoadError(f"{path / 'config.json'}: o_proj/MLP biases are not supported")
     if raw.get("use_bidirectional_attention"):
         raise _refuse(path, "use_bidirectional_attention", "true (an encoder, not a decoder)")
-    return model_type
+    return family
 
 
 def _refuse(path: Path, setting: str, why: str) -> ModelLoadError:
     return ModelLoadError(f"{path / 'config.json'}: {setting}: {why}; headrace cannot serve it")
 
 
-def _rope(raw: dict[str, Any], path: Path, model_type: str = "llama") -> dict[str, Any]:
+def _rope(raw: dict[str, Any], path: Path, family: Family) -> dict[str, Any]:
     """ModelConfig's RoPE fields; a RoPE setting headrace does not honour is refused."""
-    # transformers 5 nests RoPE settings under rope_parameters; 4.x kept them at the top level.
-    params = raw.get("rope_parameters") or {}
-    local: dict[str, Any] = {}
-    if params and all(isinstance(v, dict) for v in params.values()):
-        if model_type != "gemma3_text" or set(params) != {"full_attention", "sliding_attention"}:
-            raise _refuse(path, "rope_parameters", f"per-layer-type RoPE ({', '.join(params)})")
-        local, params = params["sliding_attention"], params["full_attention"]
-    elif model_type == "gemma3_text":  # transformers 4.x
-        local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
-    if local.get("rope_type", "default") != "default":
-        raise _refuse(
-            path, "rope_parameters", f"sliding layers' RoPE type {local['rope_type']!r} "
-            "(only default)"
-        )  # fmt: skip
+    params, local = _rope_parameters(raw, path, family)
     scaling = raw.get("rope_scaling") or params
     rope_type = scaling.get("rope_type", scaling.get("type")) or "default"
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -159,25 +130,37 @@ def _rope(raw: dict[str, Any], path: Path, model_type: str = "llama") -> dict[st
         )
     fields: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
     if local:
-        fields["rope_local_theta"] = float(local.get("rope_theta", 10000.0))
-    keys = {
-        "default": {},
-        "linear": {"factor": "rope_factor"},
-        "llama3": {
-            "factor": "rope_factor",
-            "low_freq_factor": "rope_low_freq_factor",
-            "high_freq_factor": "rope_high_freq_factor",
-            "original_max_position_embeddings": "rope_original_max_position",
-        },
-    }[rope_type]
-    for key, field in keys.items():
+        fields["rope_local_theta"] = float(local.get("rope_theta", family.local_rope_base))
+    for key, field in _ROPE_KEYS[rope_type].items():
         if scaling.get(key) is None:
             raise _refuse(path, "rope_scaling", f"RoPE type {rope_type!r} without {key}")
         fields[field] = type(getattr(ModelConfig, field))(scaling[key])
     return fields
 
 
-def _sliding_window(raw: dict[str, Any], model_type: str, num_layers: int) -> int | None:
+def _rope_parameters(
+    raw: dict[str, Any], path: Path, family: Family
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The RoPE settings of the full layers, and of the sliding layers when the family gives
+    them their own base ({} otherwise)."""
+    # transformers 5 nests RoPE settings under rope_parameters; 4.x kept them at the top level.
+    params = raw.get("rope_parameters") or {}
+    local: dict[str, Any] = {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        if family.local_rope_base is None or set(params) != {"full_attention", "sliding_attention"}:
+            raise _refuse(path, "rope_parameters", f"per-layer-type RoPE ({', '.join(params)})")
+        local, params = params["sliding_attention"], params["full_attention"]
+    elif family.local_rope_base is not None:  # transformers 4.x
+        local = {"rope_theta": raw.get("rope_local_base_freq", family.local_rope_base)}
+    if local.get("rope_type", "default") != "default":
+        raise _refuse(
+            path, "rope_parameters", f"sliding layers' RoPE type {local['rope_type']!r} "
+            "(only default)"
+        )  # fmt: skip
+    return params, local
+
+
+def _sliding_window(raw: dict[str, Any], family: Family, num_layers: int) -> int | None:
     """The attention window of the model's sliding layers, or None when no layer slides."""
     window = raw.get("sliding_window")
     if window is None:
@@ -185,26 +168,26 @@ def _sliding_window(raw: dict[str, Any], model_type: str, num_layers: int) -> in
     layer_types = raw.get("layer_types")
     if layer_types is not None:  # transformers 5 spells out each layer's kind
         return int(window) if "sliding_attention" in layer_types else None
-    if model_type in _WINDOW_EVERYWHERE or model_type in _GEMMA:
+    if family.window_layers != OPT_IN:
         return int(window)
     first = raw.get("max_window_layers", 0)
     return int(window) if raw.get("use_sliding_window") and first < num_layers else None
 
 
-def _moe(raw: dict[str, Any], path: Path, model_type: str, num_layers: int) -> dict[str, Any]:
+def _moe(raw: dict[str, Any], path: Path, family: Family, num_layers: int) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields ({} for a dense model); router settings
     headrace does not honour are refused."""
-    if model_type not in ("qwen3_moe", "mixtral"):
+    if family.experts is None:
         return {}
     for key, defaults in _ROUTER_SETTINGS.items():
         if raw.get(key) not in defaults:
             raise _refuse(path, key, f"{raw[key]!r} (only a softmax top-k router, no shared "
                           "experts)")  # fmt: skip
     experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
-    if model_type == "mixtral":  # always renormalises its top-k; every layer sparse
-        ffn, norm, dense = int(raw["intermediate_size"]), True, ()
-    else:
-        ffn, norm = int(raw["moe_intermediate_size"]), bool(raw.get("norm_topk_prob", False))
+    ffn, norm_key = int(raw[family.experts.width_key]), family.experts.norm_key
+    norm = bool(raw.get(norm_key, False)) if norm_key else True  # else: always renormalised
+    dense: tuple[int, ...] = ()  # every layer sparse unless the family names dense ones
+    if family.experts.sparse_step:
         step, only = int(raw.get("decoder_sparse_step", 1)), raw.get("mlp_only_layers") or []
         dense = tuple(
             i for i in range(num_layers) if i in only or experts == 0 or step <= 0 or (i + 1) % step
@@ -220,38 +203,55 @@ def _moe(raw: dict[str, Any], path: Path, model_type: str, num_layers: int) -> d
     }
 
 
-def _layer_types(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[str, ...]:
+def _layer_types(raw: dict[str, Any], family: Family, num_layers: int) -> tuple[str, ...]:
     """Each layer's attention, "sliding" or "full", as transformers builds it."""
     names = raw.get("layer_types")
     if names is not None:
         return tuple("sliding" if t == "sliding_attention" else "full" for t in names)
-    if model_type == "gemma2":  # transformers 4.x: even layers slide
-        return tuple("full" if i % 2 else "sliding" for i in range(num_layers))
-    if model_type == "gemma3_text":
-        pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6)))
-        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
-    if model_type in _WINDOW_EVERYWHERE:
+    if family.window_layers == PATTERN:  # transformers 4.x: every n-th layer is full
+        keys = family.hf_pattern_keys
+        n = int(next((raw[key] for key in keys if key in raw), family.swa_pattern))
+        return tuple("full" if (i + 1) % n == 0 else "sliding" for i in range(num_layers))
+    if family.window_layers == EVERY_LAYER:
         return ("sliding",) * num_layers
     first = raw.get("max_window_layers", 0) if raw.get("use_sliding_window") else num_layers
     return tuple("sliding" if i >= first else "full" for i in range(num_layers))
 
 
-def _gemma(raw: dict[str, Any], model_type: str, hidden: int) -> dict[str, Any]:
-    """ModelConfig's Gemma fields (none for other families)."""
-    if model_type not in _GEMMA:
-        return {}
-    caps = {
-        "attn_logit_softcap": raw.get("attn_logit_softcapping"),
-        "final_logit_softcap": raw.get("final_logit_softcapping"),
+def _deltas(raw: dict[str, Any], family: Family, hidden: int) -> dict[str, Any]:
+    """ModelConfig's fields of the family's deltas from a Llama decoder (Gemma's deltas,
+    compute/core/config.py: sqrt(hidden)-scaled embeddings, sandwich norms,
+    query_pre_attn_scalar, soft-caps)."""
+    fields: dict[str, Any] = {
+        "qkv_bias": family.qkv_bias,
+        "qk_norm": family.qk_norm,
+        "sandwich_norms": family.sandwich_norms,
     }
-    scalar = raw.get("query_pre_attn_scalar")
-    return {
-        "embed_scale": hidden**0.5,
-        "sandwich_norms": True,
-        "qk_norm": model_type == "gemma3_text",
-        "query_pre_attn_scalar": float(scalar) if scalar is not None else None,
-        **{k: float(v) if v else None for k, v in caps.items()},
-    }
+    if family.embed_scale:
+        fields["embed_scale"] = hidden**0.5
+    if family.query_pre_attn_scalar:
+        scalar = raw.get("query_pre_attn_scalar")
+        fields["query_pre_attn_scalar"] = float(scalar) if scalar is not None else None
+    if family.logit_softcaps:
+        for key, field in (
+            ("attn_logit_softcapping", "attn_logit_softcap"),
+            ("final_logit_softcapping", "final_logit_softcap"),
+        ):
+            fields[field] = float(raw[key]) if raw.get(key) else None
+    return fields
+
+
+def _activation(raw: dict[str, Any], path: Path, family: Family) -> str:
+    """ModelConfig.hidden_act; an activation the family's MLP does not take is refused."""
+    key, default = family.activation_key, _HF_ACTIVATIONS[family.activations[0]]
+    if key == "hidden_activation":  # Gemma; hidden_act is its legacy alias, null there
+        activation = raw.get(key) or raw.get("hidden_act", default)
+    else:
+        activation = raw.get(key, raw.get("hidden_activation", default))
+    if _ACTIVATIONS.get(activation) not in family.activations:
+        supported = ", ".join(_HF_ACTIVATIONS[a] for a in family.activations)
+        raise _refuse(path, key, f"{activation!r} (supported: {supported})")
+    return _ACTIVATIONS[activation]
 
 
 def _ids(value: Any) -> list[int]:
@@ -269,32 +269,19 @@ def _eos_ids(raw: dict[str, Any], path: Path, tokenizer: Tokenizer) -> tuple[int
     return tuple(dict.fromkeys(ids))  # de-duplicated, first mention first
 
 
-def _config(raw: dict[str, Any], path: Path, tokenizer: Tokenizer) -> ModelConfig:
-    model_type = _model_type(raw, path)
-    if model_type in _GEMMA:  # Gemma reads hidden_activation (hidden_act is a legacy alias)
-        activation = raw.get("hidden_activation") or raw.get("hidden_act", "gelu_pytorch_tanh")
-        if activation not in _ACTIVATIONS:
-            raise _refuse(path, "hidden_activation", f"{activation!r} (gelu_pytorch_tanh, silu)")
-    else:
-        activation = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
-        if activation != "silu":
-            raise _refuse(path, "hidden_act", f"{activation!r} (only silu, SwiGLU MLPs)")
+def _config(raw: dict[str, Any], path: Path, family: Family, tokenizer: Tokenizer) -> ModelConfig:
+    activation = _activation(raw, path, family)
     try:
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         layers = int(raw["num_hidden_layers"])
         bos = raw.get("bos_token_id", tokenizer.bos_token_id)
         max_positions = int(raw.get("max_position_embeddings", 4096))
-        window = _sliding_window(raw, model_type, layers)
+        window = _sliding_window(raw, family, layers)
         if window is not None and window >= max_positions:
             window = None
-        fields = {
-            "qkv_bias": model_type == "qwen2",
-            "qk_norm": model_type in ("qwen3", "qwen3_moe"),
-            **_gemma(raw, model_type, hidden),
-        }
         return ModelConfig(
             name=path.name,
-            architecture=model_type,
+            architecture=family.hf_model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
@@ -305,14 +292,14 @@ def _config(raw: dict[str, Any], path: Path, tokenizer: Tokenizer) -> ModelConfi
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            hidden_act=_ACTIVATIONS[activation],
+            hidden_act=activation,
             sliding_window=window,
-            layer_types=_layer_types(raw, model_type, layers) if window is not None else None,
+            layer_types=_layer_types(raw, family, layers) if window is not None else None,
             bos_token_id=_ids(bos)[0] if _ids(bos) else None,
             eos_token_ids=_eos_ids(raw, path, tokenizer),
-            **fields,
-            **_rope(raw, path, model_type),
-            **_moe(raw, path, model_type, layers),
+            **_deltas(raw, family, hidden),
+            **_rope(raw, path, family),
+            **_moe(raw, path, family, layers),
         )
     except ModelLoadError:
         raise
@@ -364,6 +351,7 @@ def _weights_bytes(files: list[Path], dtype: torch.dtype) -> int:
 def _read_weights(
     files: list[Path],
     config: ModelConfig,
+    family: Family,
     dtype: torch.dtype,
     device: str | torch.device,
     progress: bool,
@@ -379,14 +367,10 @@ def _read_weights(
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue  # tied checkpoints sometimes store the copy too
                     tensor = shard.get_tensor(name)
-                    if config.architecture in _GEMMA and name.endswith("norm.weight"):
-                        tensor = 1.0 + tensor.float()  # Gemma's RMSNorm scales by (1 + w)
+                    if family.norm_plus_one and name.endswith("norm.weight"):
+                        tensor = 1.0 + tensor.float()  # the RMSNorm scales by (1 + w)
                     tensor = tensor.to(device=device, dtype=dtype)
-                    name = _expert_name(name)
-                    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-                        weights.update(_split_experts(name, tensor, config))
-                    else:
-                        weights.update(_split_fused(name, tensor, config))
+                    weights.update(_renamed(name, tensor, config, family))
                     bar.update()
         except (SafetensorError, OSError) as err:
             raise ModelLoadError(f"{file}: unreadable safetensors file: {err}") from err
@@ -394,13 +378,19 @@ def _read_weights(
     return weights
 
 
-def _expert_name(name: str) -> str:
-    """Mixtral's MoE tensor names as Qwen3-MoE's (the names every loader gives)."""
-    if ".block_sparse_moe." not in name:
-        return name
-    for old, new in _MIXTRAL_NAMES:
+def _renamed(
+    name: str, tensor: torch.Tensor, config: ModelConfig, family: Family
+) -> dict[str, torch.Tensor]:
+    """A stored tensor under the names every loader gives (compute/loaders/base.py): the
+    family's renames (Mixtral's experts as Qwen3-MoE's), stacked experts and fused
+    projections split."""
+    for old, new in family.hf_renames:
         name = name.replace(old, new)
-    return name
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        return _split_experts(name, tensor, config)
+    if family.fused_projections:
+        return _split_fused(name, tensor, config)
+    return {name: tensor}
 
 
 def _split_experts(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict:
@@ -421,7 +411,7 @@ def _split_experts(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict
 
 
 def _split_fused(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """{name: tensor}, or a fused Phi-3 projection's parts under their own names."""
+    """{name: tensor}, or a fused projection's parts under their own names."""
     prefix, _, rest = name.rpartition("layers.")
     layer, _, part = rest.partition(".")
     if part not in _FUSED:

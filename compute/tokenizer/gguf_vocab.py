@@ -15,6 +15,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from compute.models.families import GEMMA_VOCAB, NORMALIZER_PREFIX, gguf_sentencepiece
+
 _CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 _USER_DEFINED_TOKEN_TYPE = 4
 
@@ -90,7 +92,6 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre_type: str | None) 
 
 
 _SPACE = "\u2581"  # SentencePiece's spelling of a space
-_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
 def _spm_merges(tokens: list[str], scores: dict[str, float]) -> list[tuple[str, str]]:
@@ -110,37 +111,33 @@ def _spm_merges(tokens: list[str], scores: dict[str, float]) -> list[tuple[str, 
 
 
 def _sentencepiece(
-    tokens: list[str], scores: list[float], arch: str | None, unk: str | None
+    tokens: list[str], scores: list[float], style: str, unk: str | None
 ) -> HFTokenizer:
     """A SentencePiece vocabulary as the BPE transformers builds from a GGUF file (its
-    gguf_tokenizer_mapping: LlamaTokenizer, GemmaTokenizer, Phi-3's normalizer): merges
-    recovered from the scores (Gemma: from the order of the tokens, its scores do not
-    follow its merges), byte fallback to <0xNN> tokens."""
-    if arch in _GEMMA_ARCHITECTURES:
+    gguf_tokenizer_mapping: LlamaTokenizer, GemmaTokenizer, Phi-3's normalizer; the family's
+    ``style``, compute/models/families.py): merges recovered from the scores (Gemma: from the
+    order of the tokens, its scores do not follow its merges), byte fallback to <0xNN> tokens."""
+    gemma = style == GEMMA_VOCAB
+    if gemma:
         # Tokens of spaces only are stored as spaces; the normalizer spells spaces as U+2581.
         tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
-        order = {token: -index for index, token in enumerate(tokens)}
-        merges = _spm_merges(tokens, order)
+        merges = _spm_merges(tokens, {token: -index for index, token in enumerate(tokens)})
     else:
         merges = _spm_merges(tokens, dict(zip(tokens, scores, strict=True)))
     vocab = {token: index for index, token in enumerate(tokens)}
-    gemma = arch in _GEMMA_ARCHITECTURES
+    unk_token = (unk or "<unk>") if gemma else None
     hf = HFTokenizer(
         models.BPE(
-            vocab=vocab,
-            merges=merges,
-            fuse_unk=True,
-            byte_fallback=True,
-            unk_token=(unk or "<unk>") if gemma else None,
+            vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, unk_token=unk_token
         )
     )
-    replace = decoders.Replace(_SPACE, " ")
-    if gemma:
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:  # no prefix space: spaces split off as they are
         hf.normalizer = normalizers.Replace(" ", _SPACE)
         hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-        hf.decoder = decoders.Sequence([replace, decoders.ByteFallback(), decoders.Fuse()])
+        hf.decoder = decoders.Sequence(steps)
         return hf
-    if arch == "phi3":  # the prefix space from a normalizer, not from Metaspace
+    if style == NORMALIZER_PREFIX:  # the prefix space from a normalizer, not from Metaspace
         hf.normalizer = normalizers.Sequence(
             [normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)]
         )
@@ -148,9 +145,7 @@ def _sentencepiece(
         hf.pre_tokenizer = pre_tokenizers.Metaspace(
             replacement=_SPACE, prepend_scheme="first", split=False
         )
-    hf.decoder = decoders.Sequence(
-        [replace, decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+    hf.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)])
     return hf
 
 
@@ -236,7 +231,7 @@ def _sentencepiece_of(
     scores = gguf_field(reader, "tokenizer.ggml.scores")
     if not tokens or not scores:
         raise ValueError("GGUF SentencePiece metadata lacks tokens or scores")
-    arch = gguf_field(reader, "general.architecture")
-    hf = _sentencepiece(tokens, scores, arch, named.get("unknown"))
+    style = gguf_sentencepiece(gguf_field(reader, "general.architecture"))
+    hf = _sentencepiece(tokens, scores, style, named.get("unknown"))
     # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
     return hf, gguf_field(reader, "tokenizer.ggml.add_bos_token", True)

@@ -23,6 +23,7 @@ from compute.loaders import ModelLoadError, load_model
 from compute.loaders.base import LoadedModel
 from compute.loaders.default_model import default_model_path
 from compute.loaders.hf import _layer_types, _sliding_window
+from compute.models.families import hf_family
 from compute.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -376,15 +377,15 @@ def test_sliding_window_model_gets_its_whole_context(llama_dir: Path, tmp_path: 
     # Qwen2/3 apply their window only with use_sliding_window, from max_window_layers on;
     # transformers 5 lists each layer's kind.
     qwen = {"sliding_window": 64, "use_sliding_window": False, "max_window_layers": 1}
-    assert _sliding_window(qwen, "qwen2", 2) is None
-    assert _sliding_window({**qwen, "use_sliding_window": True}, "qwen2", 2) == 64
+    assert _sliding_window(qwen, hf_family("qwen2"), 2) is None
+    assert _sliding_window({**qwen, "use_sliding_window": True}, hf_family("qwen2"), 2) == 64
     last = {**qwen, "use_sliding_window": True, "max_window_layers": 2}
-    assert _sliding_window(last, "qwen2", 2) is None
+    assert _sliding_window(last, hf_family("qwen2"), 2) is None
     layer_types = ["full_attention", "sliding_attention"]
-    assert _sliding_window({**qwen, "layer_types": layer_types}, "qwen3", 2) == 64
+    assert _sliding_window({**qwen, "layer_types": layer_types}, hf_family("qwen3"), 2) == 64
     # ... and the layers it applies to
-    assert _layer_types({**qwen, "use_sliding_window": True}, "qwen2", 3) == (
+    assert _layer_types({**qwen, "use_sliding_window": True}, hf_family("qwen2"), 3) == (
         "full", "sliding", "sliding")  # fmt: skip
-    assert _layer_types({"sliding_window_pattern": 2}, "gemma3_text", 4) == (
+    assert _layer_types({"sliding_window_pattern": 2}, hf_family("gemma3_text"), 4) == (
         "sliding", "full", "sliding", "full")  # fmt: skip
-    assert _layer_types({}, "gemma2", 3) == ("sliding", "full", "sliding")
+    assert _layer_types({}, hf_family("gemma2"), 3) == ("sliding", "full", "sliding")
