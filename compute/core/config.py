@@ -1,7 +1,10 @@
 """Configuration records: one frozen dataclass per concern, validated once.
 
 CLI flags and HEADRACE_* environment variables map onto these in one place
-(services/cli/cli_flags.py); nothing else reads the environment.
+(services/cli/cli_flags.py). The environment is otherwise read only for what is not engine
+configuration: the CPU kernels' build directory and compiler (kernels/cpu/build.py), the
+CUDA toolkit's path (kernels/cuda/launch.py), OpenTelemetry's own OTEL_* endpoints
+(services/telemetry/tracing_config.py), and the client's credentials (services/cli/cli.py).
 """
 
 from __future__ import annotations

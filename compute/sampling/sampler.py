@@ -1,9 +1,11 @@
 """Sampler: one step's logits -> next token ids (and logprobs), on the model's device.
 
-The model runner calls ``Sampler.sample`` once per step with the logits of the sequences
-that sample, one row per sequence in schedule order. Per row: logit_bias and min_tokens
-(compute/sampling/logit_processors.py), penalties, then either greedy argmax (temperature 0) or
-temperature -> top-k -> top-p -> min-p -> random draw.
+The model runner calls ``Sampler.sample_on_device`` once per step with the logits of the
+sequences that sample, one row per sequence in schedule order (``sample_drafts`` for a step
+that verifies drafts; ``sample`` is the same, read back on the host). Per row: the grammar
+mask (compute/sampling/grammar_masks.py, constrained rows only), logit_bias and min_tokens
+(compute/sampling/logit_processors.py), penalties, then either greedy argmax (temperature 0)
+or temperature -> top-k -> top-p -> min-p -> random draw.
 Every stage is batched over the rows with per-row parameter tensors, and a stage that
 no row asks for is skipped entirely (no sort without top-k/top-p, no log_softmax
 without logprobs, no count tensors without penalties).
@@ -14,7 +16,7 @@ Conventions:
   means argmax of the penalized logits, ties broken by the lowest token id.
 - Logprobs are vLLM's "raw" logprobs: log_softmax of the model's logits as given,
   before penalties, temperature and truncation, but after a request's grammar mask
-  (compute/sampling/grammar_masks.py, applied first): a constrained request's logprobs are those of
+  (applied first): a constrained request's logprobs are those of
   the distribution over the tokens its grammar allows, and never list a forbidden token
   (as vLLM, which masks before its sampler).
 - Random draws invert the CDF: one uniform ``u`` per row picks the first token whose

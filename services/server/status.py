@@ -1,6 +1,7 @@
 """Exceptions -> gRPC status codes, in one place.
 
-``StatusInterceptor`` wraps every GenerationService handler: a ``RequestError``
+``StatusInterceptor`` wraps every handler of headrace.v1 and of the worker protocol
+(services/rpc.py ``mapped``): a ``RequestError``
 becomes its status code with a message naming the field; anything unexpected
 becomes INTERNAL "internal error" and is logged with its traceback (the client
 never sees internals). Handlers raise; they never call ``context.abort``.
