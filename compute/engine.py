@@ -128,15 +128,8 @@ class Engine:
         self.model_config = cfg
         self.tokenizer = loaded.tokenizer
         self.max_model_len = _max_model_len(config.scheduler.max_model_len, cfg)
-        ops.check_backend(
-            device,
-            dtype,
-            cfg.head_dim,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            config.cache.block_size,
-            native_cpu=native,
-        )
+        heads = (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+        ops.check_backend(device, dtype, *heads, config.cache.block_size, native_cpu=native)
         model = DecoderModel(cfg, loaded.weights, native=native, int8=weights == "quantized-int8")
         # What took effect: a source without GGUF blocks (HF, dummy) loads dense anyway.
         self.weights = weights if model.quantized else "dense"

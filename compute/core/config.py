@@ -18,6 +18,23 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding")
 
 
+_POSITIVE_SHAPE = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+    "head_dim", "max_position_embeddings",
+)  # fmt: skip
+_OPTIONAL_SCALES = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of the decoder and the deltas of its family; filled by a loader, read by the model."""
@@ -84,42 +101,32 @@ class ModelConfig:
     final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
-        for field_name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            if getattr(self, field_name) <= 0:
-                raise ValueError(f"{field_name} must be positive, got {getattr(self, field_name)}")
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"rope_type must be one of {', '.join(ROPE_TYPES)}, got {self.rope_type!r}"
-            )
-        if self.rope_factor <= 0:
-            raise ValueError(f"rope_factor must be positive, got {self.rope_factor}")
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
-            raise ValueError(
-                f"rope_freq_factors must hold head_dim / 2 = {self.head_dim // 2} values, "
-                f"got {len(self.rope_freq_factors)}"
-            )
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        for name in _POSITIVE_SHAPE + ("rope_factor",):
+            _positive(name, getattr(self, name))
+        for name in ("sliding_window", *_OPTIONAL_SCALES):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        _one_of("rope_type", self.rope_type, ROPE_TYPES)
+        _one_of("hidden_act", self.hidden_act, ACTIVATIONS)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        self._check_lists()
         if self.num_experts and not (
             0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
         ):
             raise ValueError(
                 f"mixture of experts: {self.num_experts_per_tok} experts per token of "
                 f"{self.num_experts}, moe_intermediate_size {self.moe_intermediate_size}"
+            )
+
+    def _check_lists(self) -> None:
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors must hold head_dim / 2 = {self.head_dim // 2} values, "
+                f"got {len(self.rope_freq_factors)}"
             )
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
@@ -128,14 +135,6 @@ class ModelConfig:
                 )
             if set(self.layer_types) - set(LAYER_TYPES):
                 raise ValueError(f"layer_types must be {' or '.join(LAYER_TYPES)}")
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(
-                f"hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}"
-            )
-        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (tokens, itself included); None = all."""

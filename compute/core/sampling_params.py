@@ -53,6 +53,17 @@ class SamplingParams:
     grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
+        self._check_distribution()
+        self._check_lengths()
+        self._check_stops()
+        _check_logit_bias(self.logit_bias)
+        if self.grammar is not None:
+            # Past EOS a grammar that has ended allows nothing more.
+            _check("ignore_eos", not self.ignore_eos, "cannot be combined with a constraint")
+            # A grammar that has ended allows only EOS, which min_tokens would ban.
+            _check("min_tokens", self.min_tokens == 0, "cannot be combined with a constraint")
+
+    def _check_distribution(self) -> None:
         # The sampler computes in float32: a value valid as a Python float can be 0 or inf
         # there (top_p=1e-300 is 0.0 and would drop every token), so ranges are checked
         # on the float32 value.
@@ -60,46 +71,33 @@ class SamplingParams:
         _check_f32("top_p", self.top_p, 0.0, 1.0, "must be in (0, 1]", low_open=True)
         _check("top_k", self.top_k >= -1, "must be -1 (disabled) or >= 0", self.top_k)
         _check_f32("min_p", self.min_p, 0.0, 1.0, "must be in [0, 1]")
-        _check_f32(
-            "repetition_penalty",
-            self.repetition_penalty,
-            MIN_REPETITION_PENALTY,
-            MAX_REPETITION_PENALTY,
-            f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]",
-        )
+        low, high = MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+        rule = f"must be in [{low}, {high}]"
+        _check_f32("repetition_penalty", self.repetition_penalty, low, high, rule)
         for name in ("presence_penalty", "frequency_penalty"):
             _check_f32(name, getattr(self, name), -2.0, 2.0, "must be in [-2, 2]")
-        ok = self.max_tokens is None or self.max_tokens >= 1
-        _check("max_tokens", ok, "must be >= 1", self.max_tokens)
-        _check(
-            "top_logprobs",
-            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-            f"must be in [0, {MAX_TOP_LOGPROBS}]",
-            self.top_logprobs,
-        )
         ok = self.seed is None or 0 <= self.seed < 2**63
         _check("seed", ok, "must be in [0, 2^63)", self.seed)
+
+    def _check_lengths(self) -> None:
+        ok = self.max_tokens is None or self.max_tokens >= 1
+        _check("max_tokens", ok, "must be >= 1", self.max_tokens)
+        rule = f"must be in [0, {MAX_TOP_LOGPROBS}]"
+        _check("top_logprobs", 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, rule, self.top_logprobs)
+        _check("min_tokens", self.min_tokens >= 0, "must be >= 0", self.min_tokens)
+        ok = self.max_tokens is None or self.min_tokens <= self.max_tokens
+        _check("min_tokens", ok, f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
+
+    def _check_stops(self) -> None:
         _check("stop", len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} strings")
         _check(
             "stop",
             all(0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
             f"each stop string must have 1..{MAX_STOP_STRING_CHARS} characters",
         )
-        _check(
-            "stop_token_ids",
-            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
-            f"at most {MAX_STOP_TOKEN_IDS} ids",
-        )
+        n = len(self.stop_token_ids)
+        _check("stop_token_ids", n <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} ids")
         _check("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "ids must be >= 0")
-        _check_logit_bias(self.logit_bias)
-        _check("min_tokens", self.min_tokens >= 0, "must be >= 0", self.min_tokens)
-        ok = self.max_tokens is None or self.min_tokens <= self.max_tokens
-        _check("min_tokens", ok, f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
-        if self.grammar is not None:
-            # Past EOS a grammar that has ended allows nothing more.
-            _check("ignore_eos", not self.ignore_eos, "cannot be combined with a constraint")
-            # A grammar that has ended allows only EOS, which min_tokens would ban.
-            _check("min_tokens", self.min_tokens == 0, "cannot be combined with a constraint")
 
     def with_max_tokens_for(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Resolve an unset max_tokens: the default, capped to the room the context leaves.

@@ -191,12 +191,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             before = torch.cuda.memory_reserved()
             order = sorted(self.buckets, reverse=True)
-            side = torch.cuda.Stream()
-            side.wait_stream(stream)
-            with torch.cuda.stream(side):
-                for size in order:
-                    self._forward(size, [self.max_context] * size)
-            stream.wait_stream(side)
+            self._warm_up(stream, order)
             pool = torch.cuda.graph_pool_handle()
             for size in order:
                 graph = torch.cuda.CUDAGraph()
@@ -212,12 +207,18 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - start
         self.memory_bytes = torch.cuda.memory_reserved() - before
         log.info(
-            "cuda graphs captured",
-            batch_sizes=list(self.captured),
-            max_context=self.max_context,
-            seconds=round(self.capture_s, 2),
-            memory_mib=round(self.memory_bytes / 2**20, 1),
-        )
+            "cuda graphs captured", batch_sizes=list(self.captured), max_context=self.max_context,
+            seconds=round(self.capture_s, 2), memory_mib=round(self.memory_bytes / 2**20, 1),
+        )  # fmt: skip
+
+    def _warm_up(self, stream: torch.cuda.Stream, order: list[int]) -> None:
+        """One eager forward of every bucket on a side stream, joined back to ``stream``."""
+        side = torch.cuda.Stream()
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            for size in order:
+                self._forward(size, [self.max_context] * size)
+        stream.wait_stream(side)
 
 
 def _undo_failed_capture(stream: torch.cuda.Stream | None, pool: object) -> None:

@@ -314,13 +314,19 @@ def _top_k_top_p_sorted(
         kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Rows with top_p == 1 are excluded outright: rounding can push the mass to 1.
-        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        drop[:, 0] = False  # the best token always stays, even for a top_p that is 0.0
+        drop = _outside_nucleus(sorted_logits.softmax(dim=-1), top_p)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _outside_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row of descending ``probs``, the tokens top-p drops: those whose mass before
+    them reaches top_p, never the best one (even for a top_p that is 0.0)."""
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Rows with top_p == 1 are excluded outright: rounding can push the mass to 1.
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop[:, 0] = False
+    return drop
 
 
 def _cut_among_candidates(
@@ -335,11 +341,7 @@ def _cut_among_candidates(
     softmax of the whole top-k-masked row), and every later token is dropped by both.
     """
     neg_inf = float("-inf")
-    values, ids = logits.topk(c, dim=-1)  # descending; tied values in no set order
-    ids, by_id = ids.sort(dim=-1)
-    values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(1, order)
-    smallest = values[:, -1:]
+    values, ids = _candidates(logits, c)
     masked = logits
     kept = torch.ones_like(values, dtype=torch.bool)
     if top_k is not None:
@@ -352,26 +354,39 @@ def _cut_among_candidates(
         masked = logits.masked_fill(logits < kth, neg_inf)
     if top_p is not None:
         probs = masked.softmax(dim=-1).gather(1, ids).masked_fill(~kept, 0.0)
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        drop[:, 0] = False
-        kept &= ~drop
+        kept &= ~_outside_nucleus(probs, top_p)
     last = kept.sum(dim=-1, keepdim=True) - 1  # kept is a prefix of the candidates
-    exact = (values.gather(1, last) > smallest).squeeze(1)
+    exact = (values.gather(1, last) > values[:, -1:]).squeeze(1)
     if top_k is not None:  # a k beyond the candidates masks tokens outside them
         exact &= (top_k <= c) | (top_k >= logits.shape[1])
     out = torch.full_like(logits, neg_inf)
     out.scatter_(1, ids, values.masked_fill(~kept, neg_inf))
     # Rows that truncate nothing (both off, beside rows that truncate) stay as they are.
-    off = torch.ones_like(exact)
-    if top_k is not None:
-        off &= top_k >= logits.shape[1]
-    if top_p is not None:
-        off &= top_p >= 1.0
+    off = _truncating_nothing(logits.shape[1], top_k, top_p, like=exact)
     if bool(off.any()):
         out[off] = logits[off]
         exact |= off
     return out, exact
+
+
+def _candidates(logits: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's best ``c`` (values, ids) in the full sort's order: value descending, ties
+    by id (topk leaves tied values in no set order)."""
+    values, ids = logits.topk(c, dim=-1)
+    ids, by_id = ids.sort(dim=-1)
+    values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, order)
+
+
+def _truncating_nothing(
+    vocab: int, top_k: torch.Tensor | None, top_p: torch.Tensor | None, like: torch.Tensor
+) -> torch.Tensor:
+    off = torch.ones_like(like)
+    if top_k is not None:
+        off &= top_k >= vocab
+    if top_p is not None:
+        off &= top_p >= 1.0
+    return off
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -132,37 +132,7 @@ class Server:
 
     async def start(self) -> None:
         """Bind, start answering, report SERVING, and start the metrics endpoint."""
-        # First = outermost: auth (when on) before anything else runs, so a refused call
-        # never reaches tracing or a handler; the span of a call sees the status the
-        # mapping gives it.
-        interceptors = [StatusInterceptor(), self._gate]
-        tracer = None
-        if self._tracing is not None:
-            interceptors.insert(0, self._tracing.interceptor)
-            tracer = self._tracing.requests
-        self._server = grpc.aio.server(
-            interceptors=[*self._security.interceptors(self._metrics), *interceptors],
-            options=self.config.grpc_options(),  # message size, connection limits, keepalive
-        )
-        pb_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(
-                self._pipeline,
-                self.config.limits,
-                self.config.max_batch_requests,
-                self._metrics,
-                tracer,
-            ),
-            self._server,
-        )
-        worker = WorkerServicer(
-            self._pipeline, self.tokenizer_path, self.serving, self._metrics, tracer
-        )
-        worker_grpc.add_VllmEngineServicer_to_server(worker, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, WORKER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            self._server,
-        )
+        self._server = self._grpc_server()
         self.port = self._security.bind(self._server, self.config.address)
         await self._server.start()
         for service in ("", SERVICE_NAME, WORKER_SERVICE_NAME):
@@ -171,6 +141,34 @@ class Server:
         self._watch = asyncio.create_task(self._watch_pipeline())
         log.info("serving", address=self.config.address, port=self.port)
         self._security.log_posture(self.config.host)
+
+    def _grpc_server(self) -> grpc.aio.Server:
+        """The server with its interceptors and every service added, not yet bound."""
+        # First = outermost: auth (when on) before anything else runs, so a refused call
+        # never reaches tracing or a handler; the span of a call sees the status the
+        # mapping gives it.
+        interceptors = [StatusInterceptor(), self._gate]
+        tracer = None
+        if self._tracing is not None:
+            interceptors.insert(0, self._tracing.interceptor)
+            tracer = self._tracing.requests
+        server = grpc.aio.server(
+            interceptors=[*self._security.interceptors(self._metrics), *interceptors],
+            options=self.config.grpc_options(),  # message size, connection limits, keepalive
+        )
+        limits, batch = self.config.limits, self.config.max_batch_requests
+        api = GenerationServicer(self._pipeline, limits, batch, self._metrics, tracer)
+        pb_grpc.add_GenerationServiceServicer_to_server(api, server)
+        worker = WorkerServicer(
+            self._pipeline, self.tokenizer_path, self.serving, self._metrics, tracer
+        )
+        worker_grpc.add_VllmEngineServicer_to_server(worker, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, WORKER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            server,
+        )
+        return server
 
     def _start_metrics(self) -> None:
         if not self._metrics.enabled or self.config.metrics_port < 0:

@@ -81,45 +81,53 @@ def reject_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary:
-        unary_unary = handler.unary_unary
-
-        async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await _checked(request, context)
-            return await unary_unary(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(uu, **codec)
+        return grpc.unary_unary_rpc_method_handler(_checked_uu(handler.unary_unary), **codec)
     if handler.unary_stream:
-        unary_stream = handler.unary_stream
-
-        async def us(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
-            await _checked(request, context)
-            responses = unary_stream(request, context)
-            if not hasattr(responses, "__aiter__"):  # a coroutine writing with context.write,
-                await responses  # e.g. grpc.health.v1's Watch
-                return
-            async with contextlib.aclosing(responses) as responses:
-                async for response in responses:
-                    yield response
-
-        return grpc.unary_stream_rpc_method_handler(us, **codec)
+        return grpc.unary_stream_rpc_method_handler(_checked_us(handler.unary_stream), **codec)
     if handler.stream_unary:
-        stream_unary = handler.stream_unary
+        return grpc.stream_unary_rpc_method_handler(_checked_su(handler.stream_unary), **codec)
+    return grpc.stream_stream_rpc_method_handler(_checked_ss(handler.stream_stream), **codec)
 
-        async def su(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> Any:
-            return await stream_unary(_checked_stream(requests, context), context)
 
-        return grpc.stream_unary_rpc_method_handler(su, **codec)
-    stream_stream = handler.stream_stream
+def _checked_uu(behavior: Callable) -> Callable:
+    async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _checked(request, context)
+        return await behavior(request, context)
 
+    return uu
+
+
+def _checked_us(behavior: Callable) -> Callable:
+    async def us(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        await _checked(request, context)
+        responses = behavior(request, context)
+        if not hasattr(responses, "__aiter__"):  # a coroutine writing with context.write,
+            await responses  # e.g. grpc.health.v1's Watch
+            return
+        async with contextlib.aclosing(responses) as responses:
+            async for response in responses:
+                yield response
+
+    return us
+
+
+def _checked_su(behavior: Callable) -> Callable:
+    async def su(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(_checked_stream(requests, context), context)
+
+    return su
+
+
+def _checked_ss(behavior: Callable) -> Callable:
     async def ss(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
-        responses = stream_stream(_checked_stream(requests, context), context)
+        responses = behavior(_checked_stream(requests, context), context)
         if hasattr(responses, "__aiter__"):
             async for response in responses:
                 yield response
         else:  # a coroutine that writes its responses with context.write
             await responses
 
-    return grpc.stream_stream_rpc_method_handler(ss, **codec)
+    return ss
 
 
 def wrap_handler(handler: grpc.RpcMethodHandler | None, around: Around):
