@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from compute.core.errors import FieldError, RequestError
 from compute.core.grammar import Constraint
@@ -132,3 +133,16 @@ class Unavailable(RequestError):
 
 class EngineFault(RequestError):
     code = "INTERNAL"
+
+
+def constraint_from(message: Any, kind: str, field: str) -> Constraint:
+    """The grammar constraint a protobuf message carries in its oneof, whose set member is
+    ``kind`` and is reported as ``field`` (the rule both protocols share: json_object must
+    be true, choice lists its strings, every other kind carries its text)."""
+    if kind == "json_object":
+        if not message.json_object:
+            raise FieldError(field, "must be true when set")
+        return Constraint(kind, field=field)
+    if kind == "choice":
+        return Constraint(kind, choices=tuple(message.choice.choices), field=f"{field}.choices")
+    return Constraint(kind, getattr(message, kind), field=field)

@@ -23,6 +23,7 @@ from services.domain import (
     Complete,
     GenerateInput,
     ModelInfo,
+    constraint_from,
     prompt_form,
 )
 from services.gen.headrace.v1 import generation_pb2 as pb
@@ -79,14 +80,7 @@ def constraint(request: pb.GenerateRequest) -> Constraint | None:
     kind = c.WhichOneof("kind")
     if kind is None:
         raise FieldError("constraint", "one of its kinds must be set when it is given")
-    field = f"constraint.{kind}"
-    if kind == "json_object":
-        if not c.json_object:
-            raise FieldError(field, "must be true when set")
-        return Constraint(kind, field=field)
-    if kind == "choice":
-        return Constraint(kind, choices=tuple(c.choice.choices), field="constraint.choice.choices")
-    return Constraint(kind, getattr(c, kind), field=field)
+    return constraint_from(c, kind, f"constraint.{kind}")
 
 
 def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> dict:

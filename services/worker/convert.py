@@ -18,7 +18,14 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from compute.core.errors import FieldError
 from compute.core.grammar import Constraint
 from compute.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, logit_bias_entries
-from services.domain import MAX_REQUEST_ID_CHARS, Chunk, Complete, GenerateInput, prompt_form
+from services.domain import (
+    MAX_REQUEST_ID_CHARS,
+    Chunk,
+    Complete,
+    GenerateInput,
+    constraint_from,
+    prompt_form,
+)
 
 SP = "sampling_params"
 # Where the pipeline's domain field names live in a vLLM GenerateRequest.
@@ -57,14 +64,7 @@ def constraint(sp: pb.SamplingParams) -> Constraint | None:
     kind = sp.WhichOneof("constraint")
     if kind is None:
         return None
-    field = f"{SP}.{kind}"
-    if kind == "json_object":
-        if not sp.json_object:
-            raise FieldError(field, "must be true when set")
-        return Constraint(kind, field=field)
-    if kind == "choice":
-        return Constraint(kind, choices=tuple(sp.choice.choices), field=f"{field}.choices")
-    return Constraint(kind, getattr(sp, kind), field=field)
+    return constraint_from(sp, kind, f"{SP}.{kind}")
 
 
 def _prompt(request: pb.GenerateRequest) -> dict:
