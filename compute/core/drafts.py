@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from compute.core.config import SpeculativeConfig
-from compute.core.ngram import propose_ngram
+from compute.core.ngram import NgramIndex
 from compute.core.sequence import Sequence
 
 MAX_DRAFT_BACKOFF = 8  # the longest pause in drafting after wholly rejected drafts (steps)
@@ -31,10 +31,8 @@ class DraftPolicy:
     def __init__(self, speculative: SpeculativeConfig, max_model_len: int) -> None:
         self.config = speculative
         self.max_model_len = max_model_len
-        # (tokens, at most k) -> draft tokens to follow them; tests may put their own here.
-        self.proposer: Callable[[list[int], int], list[int]] = lambda tokens, k: propose_ngram(
-            tokens, k, self.config.ngram_min, self.config.ngram_max
-        )
+        # (sequence, at most k) -> draft tokens to follow it; tests may put their own here.
+        self.proposer: Callable[[Sequence, int], list[int]] = self._ngram_draft
         # Cumulative: draft tokens scored, those accepted, and the tokens emitted by the
         # steps that verified a draft (accepted + one each).
         self.num_draft_tokens = 0
@@ -58,7 +56,12 @@ class DraftPolicy:
         )
         if room <= 0:
             return ()
-        return tuple(self.proposer(seq.all_token_ids, room)[:room])
+        return tuple(self.proposer(seq, room)[:room])
+
+    def _ngram_draft(self, seq: Sequence, num_tokens: int) -> list[int]:
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+        return seq.ngrams.propose(seq, num_tokens)
 
     def _may_draft(self, seq: Sequence, num_running: int) -> bool:
         params = seq.sampling_params

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from compute.core.messages import FinishReason
+from compute.core.ngram import NgramIndex
 from compute.core.sampling_params import SamplingParams
 
 # An output token sampled by a step still in flight (asynchronous output, compute/engine.py):
@@ -46,10 +47,11 @@ class Sequence:
     # Trailing entries of output_token_ids that are PLACEHOLDERs: 0 with synchronous output,
     # at most 1 between steps with asynchronous output (the step in flight).
     num_pending: int = 0
-    # Speculative decoding's back-off (compute/core/scheduler.py): decode steps left without
+    # Speculative decoding's back-off (compute/core/drafts.py): decode steps left without
     # a draft, and the length of the last such pause (doubled by each wholly rejected draft).
     draft_skip: int = 0
     draft_backoff: int = 0
+    ngrams: NgramIndex | None = None  # its n-gram index, built at its first draft
 
     @property
     def num_prompt_tokens(self) -> int:

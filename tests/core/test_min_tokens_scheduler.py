@@ -23,7 +23,7 @@ def test_no_stop_token_ends_a_request_before_min_tokens() -> None:
 def test_no_draft_before_min_tokens() -> None:
     h = Harness()
     h.sched.drafts.config = SpeculativeConfig(method="ngram", num_tokens=2)
-    h.sched.drafts.proposer = lambda tokens, k: [5] * k
+    h.sched.drafts.proposer = lambda seq, k: [5] * k
     seq = h.add("a", 3, max_tokens=8, params={"min_tokens": 3})
     drafts = []
     for _ in range(4):

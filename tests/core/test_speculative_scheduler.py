@@ -10,7 +10,7 @@ import pytest
 
 from compute.core.config import SpeculativeConfig
 from compute.core.messages import FinishReason
-from compute.core.ngram import max_draft, propose_ngram
+from compute.core.ngram import NgramIndex, max_draft, propose_ngram
 from compute.core.sequence import SequenceStatus
 from tests.core.test_scheduler import EOS, Harness
 
@@ -64,6 +64,47 @@ def test_ngram_against_brute_force():
         assert propose_ngram(tokens, k, lo, hi) == _brute(tokens, k, lo, hi), (tokens, lo, hi)
 
 
+class _Growing:
+    """A sequence's tokens as the index reads them (num_tokens, token_ids_slice)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        return self.tokens[start:stop]
+
+
+def test_the_index_drafts_what_the_scan_drafts_as_a_sequence_grows():
+    rng = random.Random(11)
+    for _ in range(400):
+        lo = rng.randrange(1, 4)
+        hi = rng.randrange(lo, 6)
+        index, seq = NgramIndex(lo, hi), _Growing()
+        for _ in range(rng.randrange(1, 60)):
+            seq.tokens.append(rng.randrange(rng.randrange(2, 7)))
+            k = rng.randrange(0, 9)
+            assert index.propose(seq, k) == propose_ngram(seq.tokens, k, lo, hi), (seq.tokens, k)
+
+
+def test_the_index_reads_a_bounded_number_of_tokens_per_step_whatever_the_context():
+    # A counting test, not a timing: the scan reads the whole context at every step; the
+    # index reads each new token once, plus the suffix and the draft it returns.
+    rng, index, seq = random.Random(3), NgramIndex(1, 5), _Growing()
+    drafted = 0
+    for step in range(6000):
+        seq.tokens.append(rng.randrange(50))
+        before = index.tokens_read
+        draft = index.propose(seq, 8)
+        drafted += bool(draft)
+        # The new token once, the suffix (at most ngram_max), and the draft it returns.
+        assert index.tokens_read - before <= 1 + min(5, step) + len(draft), step
+    assert drafted > 1000  # matches were found: the draft part was exercised
+
+
 def _brute(tokens, k, lo, hi):
     n = len(tokens)
     for size in range(hi, lo - 1, -1):
@@ -104,8 +145,8 @@ class SpecHarness(Harness):
         self.reject_at = reject_at
         self.drafts: list[int] = []  # length of every draft proposed
 
-    def oracle(self, tokens: list[int], k: int) -> list[int]:
-        context, draft = list(tokens), []
+    def oracle(self, seq, k: int) -> list[int]:
+        context, draft = list(seq.all_token_ids), []
         for _ in range(k):
             draft.append(self.runner.token_for(context))
             context.append(draft[-1])
