@@ -33,7 +33,7 @@ from compute.core.config import (
 from compute.core.outputs import ScheduledSequence, SchedulerOutput
 from compute.models.decoder import DecoderModel
 from compute.runner.cuda_graphs import DecodeGraphs, capture_or_eager
-from compute.runner.fault_isolation import launch_isolating
+from compute.runner.fault_isolation import FAULT_MESSAGE, launch_isolating
 from compute.runner.step_batch import StepBatch
 from compute.runner.step_result import StepResult
 from compute.sampling.fault_hook import FaultHook
@@ -261,6 +261,10 @@ class ModelRunner:
         for row, seq in enumerate(batch.sampling_seqs):
             self._step_ids[seq.request_id] = (tokens, row)
         result.add(batch.sampling_seqs, tokens, logprobs)
+        for request_id, reason in self.sampler.take_faulty().items():
+            log.warning("grammar failed; failing its request alone", request_id=request_id,
+                        reason=reason)  # fmt: skip
+            result.faulty[request_id] = FAULT_MESSAGE
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepBatch:
         token_ids: list[int] = []

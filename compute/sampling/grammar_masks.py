@@ -29,8 +29,10 @@ docs/performance.md (the constrained section).
 
 EOS: the model's EOS ids are llguidance's, so the grammar allows them exactly where it may
 end (and only them once it must). A matcher that fails (a token the grammar rejects, a
-resource limit, a mask with no token allowed) raises ``GrammarFault``: the step fails,
-and fault isolation (compute/runner/fault_isolation.py) fails that request alone.
+resource limit, a mask with no token allowed, a matcher that cannot be made) fails its own
+row only: the row is left unmasked, ``faulty`` names the request and why, and the runner
+fails that request alone (compute/runner/model_runner.py). The step, its forward and its
+other rows go on as if it were not there; nothing is run again.
 """
 
 from __future__ import annotations
@@ -70,18 +72,26 @@ class GrammarMasks:
         self._executor: Any = None
         self.mask_seconds = 0.0  # cumulative host time filling masks (metrics)
         self.masked_rows = 0  # cumulative rows masked
+        self.faulty: dict[str, str] = {}  # of the latest apply: request id -> why its row failed
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """``logits`` with the constrained rows masked (the others as they were). On the
         CPU the rows are masked in place and ``logits`` itself is returned."""
+        self.faulty = {}
         rows = [i for i, s in enumerate(seqs) if s.sampling_params.grammar is not None]
         if not rows:
             return logits
         start = time.perf_counter()
         on_host = logits.device.type == "cpu"
-        bitmask = self._fill(seqs, rows, parallel=not on_host)
+        bitmask, faults = self._fill(seqs, rows, parallel=not on_host)
         self.mask_seconds += time.perf_counter() - start
+        for row, reason in faults.items():
+            self.faulty[seqs[row].request_id] = reason
+            self._tracked.pop(seqs[row].request_id, None)
+        rows = [row for row in rows if row not in faults]
         self.masked_rows += len(rows)
+        if not rows:
+            return logits
         if on_host:
             return mask_in_place(logits, bitmask, rows)
         return self._mask_on_device(logits, bitmask, rows)
@@ -111,14 +121,38 @@ class GrammarMasks:
         tracked.consumed = len(output)
         return tracked.matcher
 
-    def _fill(self, seqs: list[Sequence], rows: list[int], parallel: bool) -> np.ndarray:
-        """Row ``i`` of the result is the next-token bitmask of ``seqs[i]`` for each ``i``
-        in ``rows`` (int32 words, on the host); the other rows hold anything."""
+    def _fill(
+        self, seqs: list[Sequence], rows: list[int], parallel: bool
+    ) -> tuple[np.ndarray, dict[int, str]]:
+        """Row ``i`` of the bitmask is the next-token bitmask of ``seqs[i]`` for each ``i``
+        in ``rows`` (int32 words, on the host; the other rows hold anything), and the rows
+        whose matcher failed, with why."""
         if self._bitmask.shape[0] < len(seqs):
             self._bitmask = np.zeros((len(seqs), self._words), dtype=np.int32)
         bitmask = self._bitmask
+        faults: dict[int, str] = {}
+        matchers = []
+        for row in rows:
+            try:
+                matchers.append(self._synced(seqs[row]))
+            except Exception as exc:  # GrammarFault, or a matcher that could not be made
+                why = str(exc) if isinstance(exc, GrammarFault) else repr(exc)[:240]
+                faults[row] = (
+                    why if isinstance(exc, GrammarFault) else f"{seqs[row].request_id}: {why}"
+                )
+        rows = [row for row in rows if row not in faults]
+        self._compute(matchers, rows, bitmask, parallel)
+        for matcher, row in zip(matchers, rows, strict=True):
+            if matcher.is_error():
+                faults[row] = f"{seqs[row].request_id}: {matcher.get_error()[:240]}"
+            elif not bitmask[row].any():
+                faults[row] = f"{seqs[row].request_id}: its grammar allows no token"
+        return bitmask, faults
+
+    def _compute(
+        self, matchers: list[Any], rows: list[int], bitmask: np.ndarray, parallel: bool
+    ) -> None:
         base, row_bytes = bitmask.ctypes.data, bitmask.strides[0]
-        matchers = [self._synced(seqs[i]) for i in rows]
         if parallel and len(rows) > 1:
             if self._executor is None:
                 import llguidance  # not llguidance.torch: it imports torch.compile's machinery
@@ -129,15 +163,6 @@ class GrammarMasks:
         else:
             for matcher, row in zip(matchers, rows, strict=True):
                 matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
-        for matcher, row in zip(matchers, rows, strict=True):
-            if matcher.is_error():
-                request_id = seqs[row].request_id
-                self._tracked.pop(request_id, None)
-                raise GrammarFault(f"{request_id}: {matcher.get_error()[:240]}")
-        for row in rows:
-            if not bitmask[row].any():
-                raise GrammarFault(f"{seqs[row].request_id}: its grammar allows no token")
-        return bitmask
 
     def _mask_on_device(
         self, logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]

@@ -173,6 +173,12 @@ class Sampler:
         self._penalties.forget(request_id)
         self.grammars.forget(request_id)
 
+    def take_faulty(self) -> dict[str, str]:
+        """The requests whose grammar failed in the latest sample call (request id -> why),
+        once: their rows were sampled unmasked and must not be used."""
+        faulty, self.grammars.faulty = self.grammars.faulty, {}
+        return faulty
+
     def _check_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         expected = (len(seqs), self.vocab_size)
         if logits.dim() != 2 or tuple(logits.shape) != expected:

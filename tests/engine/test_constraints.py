@@ -216,12 +216,18 @@ def test_a_failing_matcher_fails_its_request_only(engine: Engine) -> None:
     engine.add_request("good", PERSON_PROMPT, json_params(PERSON, temperature=0.0))
     engine.add_request("p1", prompts(2)[1], plain)
     tokens: dict[str, list[int]] = {}
-    failed = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        failed += engine.take_failed()
+    failed, launches, steps = [], [], 0
+    engine.runner.launch_hooks = (lambda: launches.append(1), lambda: None)
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            failed += engine.take_failed()
+            steps += 1
+    finally:
+        engine.runner.launch_hooks = None
     assert [rid for rid, _ in failed] == ["bad"]
+    assert len(launches) == steps  # the failing row was failed alone: nothing ran twice
     assert [tokens["p0"], tokens["p1"]] == [o.token_ids for o in solo]
     text = shared_model().tokenizer.decode(tokens["good"], skip_special_tokens=True)
     jsonschema.validate(json.loads(text), PERSON)
