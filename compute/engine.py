@@ -226,6 +226,7 @@ class Engine:
         launched = self.runner.run(sched)
         outputs += self._update(sched, launched)
         self.last_step_timing = _timing(sched, launched, start, scheduled)
+        self.scheduler.observe_step(sched, time.perf_counter() - start)
         return outputs
 
     def _resolve_history_readers(self) -> list[RequestOutput]:

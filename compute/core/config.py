@@ -255,6 +255,15 @@ class SchedulerConfig:
     # for their share of the budget; 0 = no limit (decodes always go first anyway).
     prefill_interval: int = 0
     policy: str = "fcfs"  # "fcfs" or "priority" (lower priority value runs first)
+    # KV blocks kept free for running decodes to grow into: prefill chunks of all but the
+    # oldest request, swap-ins and admissions leave them; None = one per sequence
+    # (max_num_seqs), at most a tenth of the cache.
+    watermark_blocks: int | None = None
+    # A step-time target: prefill chunks are cut so that a step's estimated time (fitted
+    # online from the steps run: compute/core/step_cost.py) stays within it, so running
+    # streams wait at most about this long between tokens while long prompts are prefilled;
+    # None = no target (chunks up to max_num_batched_tokens).
+    max_step_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -273,6 +282,16 @@ class SchedulerConfig:
             raise ValueError(f"prefill_interval must be >= 0, got {self.prefill_interval}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.watermark_blocks is not None and self.watermark_blocks < 0:
+            raise ValueError(f"watermark_blocks must be >= 0, got {self.watermark_blocks}")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ValueError(f"max_step_ms must be positive, got {self.max_step_ms}")
+
+    def watermark(self, num_blocks: int) -> int:
+        """The watermark in blocks for a cache of ``num_blocks``."""
+        if self.watermark_blocks is not None:
+            return min(self.watermark_blocks, num_blocks)
+        return min(self.max_num_seqs, num_blocks // 10)
 
 
 SPECULATIVE_METHODS = ("none", "ngram")

@@ -67,6 +67,15 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def room_for(self, seq: Sequence, reserve: int = 0, computed_blocks: Seq[int] = ()) -> int:
+        """How many more tokens ``seq`` could take (with ``computed_blocks``, admission
+        only) while ``reserve`` blocks stay free: what ``allocate_slots`` would grant."""
+        parked_hits = sum(1 for b in computed_blocks if self._is_parked(b))
+        fresh = self.num_free_blocks - parked_hits - reserve
+        held = len(seq.block_ids) + len(computed_blocks)
+        done = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        return max(0, (held + fresh) * self.block_size - done)
+
     # -- allocation ---------------------------------------------------------
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
@@ -193,13 +202,14 @@ class KVCacheManager:
         self._num_registered.pop(seq.request_id, None)
         return pairs
 
-    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
-        """Whether ``seq`` can come back and then grow by ``num_new_tokens``."""
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0, reserve: int = 0) -> bool:
+        """Whether ``seq`` can come back and then grow by ``num_new_tokens``, leaving
+        ``reserve`` blocks free."""
         host_blocks = self._host_tables.get(seq.request_id)
         if host_blocks is None:
             return False
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        return max(len(host_blocks), need) <= self.num_free_blocks
+        return max(len(host_blocks), need) <= self.num_free_blocks - reserve
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring ``seq`` back to fresh device blocks; returns (host_block, device_block) copies."""

@@ -44,6 +44,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]  # decodes first, then prefill chunks
     num_batched_tokens: int = 0
+    num_pairs: int = 0  # query-key pairs attention computes (compute/core/step_cost.py)
     preempted_request_ids: list[str] = field(default_factory=list)
     # Block copies for preemption_mode=swap, as (device_block, host_block) pairs.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)

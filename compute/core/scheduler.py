@@ -86,6 +86,7 @@ from compute.core.kv_cache_manager import KVCacheManager
 from compute.core.messages import FinishReason, RequestOutput, TokenLogprob
 from compute.core.outputs import ModelRunnerOutput, SchedulerOutput
 from compute.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from compute.core.step_cost import StepCost
 from compute.core.step_plan import StepPlan
 
 
@@ -110,6 +111,8 @@ class Scheduler:
         self.kv_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, num_host_blocks
         )
+        self._watermark = scheduler_config.watermark(num_blocks)
+        self.step_cost = StepCost()
         # Each queue is kept sorted by _order: arrival (fcfs) or (priority, arrival).
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -188,6 +191,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = StepPlan(self.config.max_num_batched_tokens)
         decode_only = self._decode_only_turn()
+        if not decode_only:
+            self._schedule_oldest_prefill(step)
         self._schedule_running(step, decodes=True)
         if not decode_only:
             self._schedule_running(step, decodes=False)
@@ -198,36 +203,112 @@ class Scheduler:
         self._prefill_streak = self._prefill_streak + 1 if step.mixes_prefill_and_decode else 0
         return step.output()
 
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """How long a scheduled step took: the step-time fit (compute/core/step_cost.py)."""
+        if self.config.max_step_ms is not None and sched.scheduled:
+            self.step_cost.observe(sched.num_batched_tokens, sched.num_pairs, seconds)
+
     def _decode_only_turn(self) -> bool:
         interval = self.config.prefill_interval
         if interval == 0 or self._prefill_streak < interval:
             return False
         return any(_is_decode(seq) for seq in self.running)
 
+    def _schedules(self, seq: Sequence, step: StepPlan, decodes: bool) -> bool:
+        """Whether ``seq`` is a running sequence of that kind this pass may schedule."""
+        if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled:
+            return False  # preempted earlier in this step, or already served
+        return _is_decode(seq) == decodes and not self._ends_when_resolved(seq)
+
+    def _schedule_oldest_prefill(self, step: StepPlan) -> None:
+        """The oldest running sequence, when it is computing its prompt, goes first: its
+        chunk may take every free block, and preempt newer sequences (none is scheduled
+        yet) to make room for at least one block's worth. The budget the running decodes
+        will take is left to them."""
+        if not self.running or not self._schedules(self.running[0], step, decodes=False):
+            return
+        seq = self.running[0]
+        decodes, decode_pairs = self._pending_decodes(exclude=seq)
+        budget = step.budget - decodes
+        most = self._chunk(seq, step, min(seq.num_tokens - seq.num_computed_tokens, budget),
+                           extra=(decodes, decode_pairs))  # fmt: skip
+        if most <= 0:
+            return
+        n = min(most, self.kv_manager.room_for(seq))
+        if n < min(most, self.kv_manager.block_size):
+            n = min(most, self.kv_manager.block_size)
+            if not self._allocate_or_preempt(seq, n, step):
+                return
+            step.add(seq, n, False)
+            return
+        if self.kv_manager.allocate_slots(seq, n):
+            step.add(seq, n, False)
+
     def _schedule_running(self, step: StepPlan, decodes: bool) -> None:
+        """Running decodes (``decodes``), or running prompts' next chunks, oldest first.
+        Only the oldest running sequence may preempt to grow (``_allocate_or_preempt``);
+        another decode that finds no block waits for a step, and another prompt's chunk
+        takes only the free blocks above the watermark."""
+        oldest = self.running[0] if self.running else None
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled:
-                continue  # preempted earlier in this step, or already served
-            if _is_decode(seq) != decodes or self._ends_when_resolved(seq):
+            if not self._schedules(seq, step, decodes):
                 continue
             if step.budget <= 0:
                 return
-            draft = self.drafts.propose(seq, step.budget, len(self.running)) if decodes else ()
-            if draft and self.kv_manager.allocate_slots(seq, 1 + len(draft)):
-                step.add(seq, 1 + len(draft), decodes, draft)
+            if decodes:
+                self._schedule_decode(seq, step, may_preempt=seq is oldest)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
-            if self._allocate_or_preempt(seq, n, step):
-                step.add(seq, n, decodes)
+            n = self._chunk(seq, step, min(seq.num_tokens - seq.num_computed_tokens, step.budget))
+            n = min(n, self.kv_manager.room_for(seq, self._watermark))
+            if n > 0 and self.kv_manager.allocate_slots(seq, n):
+                step.add(seq, n, False)
+
+    def _schedule_decode(self, seq: Sequence, step: StepPlan, may_preempt: bool) -> None:
+        draft = self.drafts.propose(seq, step.budget, len(self.running))
+        n = 1 + len(draft)
+        fits = self.kv_manager.room_for(seq, self._watermark) >= n
+        if draft and fits and self.kv_manager.allocate_slots(seq, n):
+            step.add(seq, n, True, draft)
+            return
+        if may_preempt:
+            if self._allocate_or_preempt(seq, 1, step):
+                step.add(seq, 1, True)
+        elif self.kv_manager.allocate_slots(seq, 1):
+            step.add(seq, 1, True)
 
     def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int, step: StepPlan) -> bool:
-        """Make room for ``seq`` by preempting victims; False if ``seq`` itself was one."""
+        """Make room for ``seq``, the oldest running sequence, by preempting the newest
+        other running sequences that this step has not scheduled; False if it could not
+        (then it was preempted itself)."""
         while not self.kv_manager.allocate_slots(seq, num_new_tokens):
-            victim = max(self.running, key=self._sort_key)
+            others = [
+                s for s in self.running if s is not seq and s.request_id not in step.scheduled
+            ]
+            victim = max(others, key=self._sort_key) if others else seq
             self._preempt(victim, step)
             if victim is seq:
                 return False
         return True
+
+    def _pending_decodes(self, exclude: Sequence) -> tuple[int, int]:
+        """(tokens, query-key pairs) of the running decodes a step will schedule."""
+        seqs = [s for s in self.running if s is not exclude and _is_decode(s)]
+        return len(seqs), sum(s.num_computed_tokens + 1 for s in seqs)
+
+    def _chunk(
+        self, seq: Sequence, step: StepPlan, most: int, extra: tuple[int, int] = (0, 0)
+    ) -> int:
+        """At most ``most`` of ``seq``'s next prompt tokens: what keeps the step within
+        ``max_step_ms`` (with ``extra`` tokens and pairs still to come), never under one
+        block's worth, so a prompt always progresses."""
+        target = self.config.max_step_ms
+        if target is None or most <= 0:
+            return most
+        tokens = self.config.max_num_batched_tokens - step.budget + extra[0]
+        fit = self.step_cost.tokens_within(
+            target, tokens, step.pairs + extra[1], seq.num_computed_tokens, most
+        )
+        return max(fit, min(most, self.kv_manager.block_size))
 
     def _preempt(self, seq: Sequence, step: StepPlan) -> None:
         _remove(self.running, seq)
@@ -252,7 +333,7 @@ class Scheduler:
         while self.swapped and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
-            if not kv.can_swap_in(seq, n):
+            if not kv.can_swap_in(seq, n, self._watermark):
                 return
             self.swapped.pop(0)
             step.swap_in.extend(kv.swap_in(seq))
@@ -293,8 +374,10 @@ class Scheduler:
             step.copies.extend(copies)
             return num_hit, 1, True
         blocks, num_hit = kv.get_computed_blocks(seq)
-        n = min(seq.num_tokens - num_hit, step.budget)
-        if not kv.allocate_slots(seq, n, blocks):
+        n = self._chunk(seq, step, min(seq.num_tokens - num_hit, step.budget))
+        # Admitted above the watermark only, with a first chunk that fits there.
+        n = min(n, kv.room_for(seq, self._watermark, blocks))
+        if n <= 0 or not kv.allocate_slots(seq, n, blocks):
             return None
         return num_hit, n, False
 

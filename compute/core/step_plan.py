@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from compute.core.outputs import ScheduledSequence, SchedulerOutput
 from compute.core.sequence import Sequence
+from compute.core.step_cost import pairs_of
 
 
 class StepPlan:
@@ -16,6 +17,7 @@ class StepPlan:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.pairs = 0  # query-key pairs of the tokens scheduled (compute/core/step_cost.py)
         self.scheduled: dict[str, ScheduledSequence] = {}
         self.decodes: set[str] = set()
         self.preempted: list[str] = []
@@ -30,6 +32,7 @@ class StepPlan:
         if is_decode:
             self.decodes.add(seq.request_id)
         self.budget -= num_new_tokens
+        self.pairs += pairs_of(num_new_tokens, seq.num_computed_tokens)
 
     def drop(self, seq: Sequence) -> None:
         """Un-schedule a sequence preempted after it was scheduled: refund its tokens."""
@@ -37,6 +40,7 @@ class StepPlan:
         if item is not None:
             self.decodes.discard(seq.request_id)
             self.budget += item.num_new_tokens
+            self.pairs -= pairs_of(item.num_new_tokens, seq.num_computed_tokens)
 
     @property
     def mixes_prefill_and_decode(self) -> bool:
@@ -49,6 +53,7 @@ class StepPlan:
         return SchedulerOutput(
             scheduled=decodes + prefills,
             num_batched_tokens=sum(s.num_new_tokens for s in items),
+            num_pairs=self.pairs,
             preempted_request_ids=self.preempted,
             blocks_to_swap_out=self.swap_out,
             blocks_to_swap_in=self.swap_in,

@@ -163,6 +163,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--preemption-mode", "scheduler.preemption_mode", "when KV blocks run out",
          choices=("recompute", "swap")),
     Flag("--prefill-interval", "scheduler.prefill_interval", "most prefill steps in a row", int),
+    Flag("--kv-watermark-blocks", "scheduler.watermark_blocks",
+         "KV blocks kept free for running decodes to grow into: admissions, swap-ins and the "
+         "chunks of all but the oldest prompt leave them (unset: one per --max-num-seqs, at "
+         "most a tenth of the cache)", _optional_int),
+    Flag("--max-step-ms", "scheduler.max_step_ms",
+         "step-time target in ms: prefill chunks are cut so a step's estimated time (fitted "
+         "to the steps run, attention over each chunk's context included) stays within it, "
+         "bounding the time between tokens of running streams while long prompts prefill "
+         "(unset: chunks up to --max-num-batched-tokens)", _optional_float),
     Flag("--policy", "scheduler.policy", "scheduling order", choices=("fcfs", "priority")),
     Flag("--speculative-method", "speculative.method",
          "speculative decoding: ngram = draft tokens looked up in the prompt and output "

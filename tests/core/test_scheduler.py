@@ -305,16 +305,31 @@ def test_swap_falls_back_to_recompute_without_host_blocks():
     assert h.tokens["b"] == h.reference(b)
 
 
-def test_newest_preempts_itself_rather_than_older():
+def test_a_newer_decode_without_a_block_waits_rather_than_preempting():
+    # Only the oldest running request may preempt to progress: b, newer, finds no block
+    # after a took the last one, and waits (its blocks kept) instead of being recomputed.
     h = Harness(num_blocks=3, prefix=False, max_num_batched_tokens=64)
     h.add("a", 4, max_tokens=5)
     h.add("b", 4, max_tokens=2)  # prefilled with a: 2 blocks; both then need a third
     h.step()
     out = h.step()
-    assert out.preempted_request_ids == ["b"]
+    assert out.preempted_request_ids == []
     assert [s.seq.request_id for s in out.scheduled] == ["a"]
     h.run()
-    assert set(h.finished) == {"a", "b"}
+    assert set(h.finished) == {"a", "b"} and h.sched.num_preemptions == 0
+
+
+def test_the_oldest_preempts_the_newest_to_progress():
+    h = Harness(num_blocks=3, prefix=False, max_num_batched_tokens=64)
+    h.add("a", 4, max_tokens=5)
+    h.add("b", 4, max_tokens=5)
+    h.add("c", 4, max_tokens=5)  # three one-block prompts fill the cache
+    h.step()
+    out = h.step()  # a, the oldest, needs a second block: c, the newest, goes
+    assert out.preempted_request_ids == ["c"]
+    assert [s.seq.request_id for s in out.scheduled][:1] == ["a"]
+    h.run()
+    assert set(h.finished) == {"a", "b", "c"}
 
 
 # -- admission ----------------------------------------------------------------
