@@ -3,7 +3,7 @@
 CUDA tensors go to the CuPy RawKernels (kernels/cuda/launch.py), CPU tensors to the
 torch reference (kernels/reference.py): the test oracle, and the CPU fallback
 (``--cpu-kernels torch``, or where the CPU kernels cannot be built). On the CPU
-kernels (kernels/cpu/launch.py) the model calls them itself and does not come here.
+kernels (kernels/cpu/) the model calls them itself and does not come here.
 There is no silent fallback on CUDA: a CUDA tensor without CuPy is an error, and
 ``check_backend`` says so (with every other thing the kernels cannot serve) when
 the engine starts, not at its first step.
@@ -68,7 +68,7 @@ def check_backend(
 ) -> str:
     """The attention backend for a model of these sizes on `device`, ready to run.
 
-    On the CPU: the CPU kernels (kernels/cpu/launch.py) when ``native_cpu``, else the torch
+    On the CPU: the CPU kernels (kernels/cpu/) when ``native_cpu``, else the torch
     reference.
     On CUDA: ValueError naming the option (--dtype, --block-size) or the model's head dim
     when the kernels have no instantiation for it, RuntimeError when CuPy is missing; then

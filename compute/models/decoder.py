@@ -9,7 +9,7 @@ arrive with Hugging Face Llama names (compute/loaders/) and are fused here
 
 Two ways to run on the CPU, chosen by the engine (``native``):
 
-- the CPU kernels (kernels/cpu/launch.py): weights may stay in the GGUF file's blocks
+- the CPU kernels (kernels/cpu/): weights may stay in the GGUF file's blocks
   (kernels/cpu/quant.py) and are expanded in registers inside each matmul; RMSNorm with
   its residual add, RoPE with the cache write, attention over the paged cache and
   SiLU * up are one call each;
@@ -32,8 +32,13 @@ from compute.core.config import ModelConfig
 from compute.models import rope
 from compute.models.moe import Expert, MoE
 from kernels import ops
-from kernels.cpu import launch as cpu
+from kernels.cpu import decoder as cpu_decoder
+from kernels.cpu.attention import paged_attention, rope_and_cache
+from kernels.cpu.elementwise import add_rms_norm, gelu_tanh_mul, head_rms_norm, rms_norm, silu_mul
+from kernels.cpu.library import use_torch_threads
+from kernels.cpu.moe import moe_shape
 from kernels.cpu.quant import QuantizedWeight
+from kernels.cpu.quant_linear import dequantize_rows, quant_linear
 from kernels.metadata import AttentionMetadata
 
 # Rows up to which the transposed copy is faster (see the module docstring).
@@ -56,7 +61,7 @@ class Projection:
 
     def __call__(self, x: torch.Tensor, check: bool = True) -> torch.Tensor:
         if self.quantized is not None:
-            return cpu.quant_linear(x, self.quantized, self.bias, self.int8, check)
+            return quant_linear(x, self.quantized, self.bias, self.int8, check)
         if self.weight_t is not None and x.shape[0] <= _GEMV_ROWS:
             out = x @ self.weight_t
             return out if self.bias is None else out.add_(self.bias)
@@ -135,7 +140,7 @@ class DecoderModel:
         """Build from HF-named weights. Per-layer tensors are popped from ``weights``
         as they are fused, so peak memory stays near one copy of the model.
         ``native``: run on the CPU kernels (fp32, CPU only; quantized weights need it);
-        ``int8``: quantized matmuls take int8 activations (kernels/cpu/launch.py quant_linear)."""
+        ``int8``: quantized matmuls take int8 activations (kernels/cpu/quant_linear.py)."""
         self.config = config
         embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
@@ -166,7 +171,7 @@ class DecoderModel:
             )
         self.scale = config.attn_scale
         self.int8 = int8
-        # Every layer in one kernel call (kernels/cpu/launch.py decoder_layers) when every
+        # Every layer in one kernel call (kernels/cpu/decoder.py decoder_layers) when every
         # projection is quantized: bit-identical to the per-op path, ~1.4 ms less Python
         # per step. Tests turn it off to compare the two.
         # Per-head q/k norms (Qwen3, Gemma 3), Gemma's deltas (output norms, GeGLU, the
@@ -180,7 +185,7 @@ class DecoderModel:
         # The fused call's MLP shapes: the dense layers' (0: none), the MoE layers'.
         dense = any(layer.moe is None for layer in self.layers)
         self._dense_inter = config.intermediate_size if dense else 0
-        self._moe_shape = next(filter(None, map(cpu.moe_shape, self.layers)), None)
+        self._moe_shape = next(filter(None, map(moe_shape, self.layers)), None)
         self._table: tuple[tuple[int, ...], torch.Tensor] | None = None  # (cache ptrs, table)
 
     @torch.inference_mode()
@@ -193,12 +198,12 @@ class DecoderModel:
     ) -> torch.Tensor:
         """Hidden states [T, H] after the final norm, for every token of the batch."""
         if self.native:
-            cpu.use_torch_threads()
+            use_torch_threads()
         hidden = self._embed(token_ids)  # the residual stream, updated in place
         x = self._rms_norm(hidden, self.layers[0].input_norm)
         if self.fused_layers and sum(meta.query_lens) == token_ids.shape[0]:
             cfg, (key_cache, value_cache) = self.config, kv_caches[0]
-            return cpu.decoder_layers(
+            return cpu_decoder.decoder_layers(
                 self._decoder_table(kv_caches), self.int8, x, hidden, positions,
                 self.rope.cos, self.rope.sin, key_cache, value_cache, meta, cfg.num_heads,
                 self._dense_inter, cfg.rms_norm_eps, self.scale, moe=self._moe_shape,
@@ -225,7 +230,7 @@ class DecoderModel:
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._table is None or self._table[0] != key:
             cfg, local = self.config, self.local_rope
-            table = cpu.decoder_table(
+            table = cpu_decoder.decoder_table(
                 self.layers, self.norm, kv_caches, gelu=cfg.hidden_act == "gelu_tanh",
                 softcap=cfg.attn_logit_softcap,
                 local_rope=None if local is None else (local.cos, local.sin),
@@ -244,7 +249,7 @@ class DecoderModel:
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed_tokens, QuantizedWeight):
-            embeds = cpu.dequantize_rows(self.embed_tokens, token_ids)
+            embeds = dequantize_rows(self.embed_tokens, token_ids)
         else:
             embeds = F.embedding(token_ids, self.embed_tokens)
         if self.config.embed_scale != 1.0:  # Gemma: times sqrt(hidden), rounded to the dtype
@@ -259,11 +264,11 @@ class DecoderModel:
         rope = self.local_rope if layer.local_rope else self.rope
         softcap = cfg.attn_logit_softcap
         if self.native:
-            q = cpu.rope_and_cache(
+            q = rope_and_cache(
                 qkv, positions, rope.cos, rope.sin, key_cache, value_cache,
                 meta.slot_mapping, cfg.num_heads, check,
             )  # fmt: skip
-            out = cpu.paged_attention(
+            out = paged_attention(
                 q, key_cache, value_cache, meta, self.scale, check, layer.window, softcap
             )
             return layer.o_proj(out.view(-1, cfg.q_size), check)
@@ -287,7 +292,7 @@ class DecoderModel:
             (cfg.q_size, cfg.num_kv_heads, layer.k_norm),
         ):
             if self.native:  # one kernel call instead of a few small torch ops
-                cpu.head_rms_norm(qkv, weight, start, heads, cfg.rms_norm_eps)
+                head_rms_norm(qkv, weight, start, heads, cfg.rms_norm_eps)
                 continue
             part = qkv[:, start : start + heads * cfg.head_dim].view(-1, heads, cfg.head_dim)
             xf = part.float()
@@ -300,7 +305,7 @@ class DecoderModel:
         gate_up = layer.gate_up(x, check)
         gelu = self.config.hidden_act == "gelu_tanh"
         if self.native:
-            act = cpu.gelu_tanh_mul if gelu else cpu.silu_mul
+            act = gelu_tanh_mul if gelu else silu_mul
             return layer.down(act(gate_up, check), check)
         gate, up = gate_up.chunk(2, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
@@ -309,13 +314,13 @@ class DecoderModel:
     def _add_norm(self, x, hidden: torch.Tensor, weight: torch.Tensor, check: bool = True):
         """hidden += x (the residual), then the next sublayer's RMSNorm of it."""
         if self.native:
-            return cpu.add_rms_norm(x, hidden, weight, self.config.rms_norm_eps, check)
+            return add_rms_norm(x, hidden, weight, self.config.rms_norm_eps, check)
         hidden.add_(x)
         return self._rms_norm(hidden, weight)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return cpu.rms_norm(x, weight, self.config.rms_norm_eps)
+            return rms_norm(x, weight, self.config.rms_norm_eps)
         # Same op order as HF's LlamaRMSNorm, in fp32, so fp32 parity is exact-ish.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)

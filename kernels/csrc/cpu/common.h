@@ -1,4 +1,4 @@
-// Shared helpers of the CPU kernels (kernels/cpu/launch.py builds and loads them).
+// Shared helpers of the CPU kernels (kernels/cpu/build.py builds them, library.py loads them).
 //
 // The kernels are written with GCC vector extensions, 16 floats wide: built with
 // -march=x86-64-v4 they become AVX-512, with -march=x86-64-v3 pairs of AVX2 ops, so
@@ -279,7 +279,7 @@ static inline void for_each_part(const uint8_t* w, Run run) {
   }
 }
 
-// KV cache element types (kernels/cpu.py KV_DTYPE_CODES): the cache holds K and V rounded
+// KV cache element types (kernels/cpu/attention.py KV_DTYPE_CODES): the cache holds K and V rounded
 // once to this type when written; every read widens them back to fp32 (exactly), so the
 // attention arithmetic after the read is the same whatever the type.
 // int8: one row (a token's head, D values, D a multiple of 16) is D int8 codes and nothing
