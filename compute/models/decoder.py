@@ -22,6 +22,7 @@ Two ways to run on the CPU, chosen by the engine (``native``):
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,7 +37,6 @@ from kernels.cpu import decoder as cpu_decoder
 from kernels.cpu.attention import paged_attention, rope_and_cache
 from kernels.cpu.elementwise import add_rms_norm, gelu_tanh_mul, head_rms_norm, rms_norm, silu_mul
 from kernels.cpu.library import use_torch_threads
-from kernels.cpu.moe import moe_shape
 from kernels.cpu.quant import QuantizedWeight
 from kernels.cpu.quant_linear import dequantize_rows, quant_linear
 from kernels.metadata import AttentionMetadata
@@ -182,11 +182,8 @@ class DecoderModel:
             and config.hidden_act in ("silu", "gelu_tanh")
             and all(_fusable(layer) for layer in self.layers)
         )
-        # The fused call's MLP shapes: the dense layers' (0: none), the MoE layers'.
-        dense = any(layer.moe is None for layer in self.layers)
-        self._dense_inter = config.intermediate_size if dense else 0
-        self._moe_shape = next(filter(None, map(moe_shape, self.layers)), None)
-        self._table: tuple[tuple[int, ...], torch.Tensor] | None = None  # (cache ptrs, table)
+        # The fused call's (cache pointers, layer table, statics), built at its first step.
+        self._table: tuple[tuple[int, ...], ctypes.Array, cpu_decoder.DecoderStatics] | None = None
 
     @torch.inference_mode()
     def forward(
@@ -202,12 +199,8 @@ class DecoderModel:
         hidden = self._embed(token_ids)  # the residual stream, updated in place
         x = self._rms_norm(hidden, self.layers[0].input_norm)
         if self.fused_layers and sum(meta.query_lens) == token_ids.shape[0]:
-            cfg, (key_cache, value_cache) = self.config, kv_caches[0]
-            return cpu_decoder.decoder_layers(
-                self._decoder_table(kv_caches), self.int8, x, hidden, positions,
-                self.rope.cos, self.rope.sin, key_cache, value_cache, meta, cfg.num_heads,
-                self._dense_inter, cfg.rms_norm_eps, self.scale, moe=self._moe_shape,
-            )  # fmt: skip
+            table, statics = self._decoder_table(kv_caches)
+            return cpu_decoder.decoder_layers(table, statics, x, hidden, positions, meta)
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm, (key_cache, value_cache) in zip(
             self.layers, norms, kv_caches, strict=True
@@ -225,18 +218,23 @@ class DecoderModel:
             x = self._add_norm(mlp, hidden, next_norm, check)
         return x
 
-    def _decoder_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """decoder_layers' table, rebuilt only when the caches are other tensors."""
+    def _decoder_table(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[ctypes.Array, cpu_decoder.DecoderStatics]:
+        """decoder_layers' table and statics, rebuilt only when the caches are other tensors."""
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._table is None or self._table[0] != key:
             cfg, local = self.config, self.local_rope
             table = cpu_decoder.decoder_table(
-                self.layers, self.norm, kv_caches, gelu=cfg.hidden_act == "gelu_tanh",
+                self.layers, self.norm, kv_caches, None if local is None else (local.cos, local.sin)
+            )
+            statics = cpu_decoder.decoder_statics(
+                self.layers, kv_caches[0], (self.rope.cos, self.rope.sin), num_heads=cfg.num_heads,
+                eps=cfg.rms_norm_eps, scale=self.scale, gelu=cfg.hidden_act == "gelu_tanh",
                 softcap=cfg.attn_logit_softcap,
-                local_rope=None if local is None else (local.cos, local.sin),
             )  # fmt: skip
-            self._table = (key, table)
-        return self._table[1]
+            self._table = (key, table, statics)
+        return self._table[1:]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -47,9 +47,9 @@ SIGNATURES = {
     "hr_moe_experts": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P),
     # router, experts, top_k, normalize, table, int8, x, tokens, h, inter, out, scratch, runs
     "hr_moe": (_P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _P, _P, _P, _P),
-    # layers .. eps, positions .. scale, six scratch buffers, the KV dtype, MoE scratch
-    "hr_decoder_layers": (_P, _I, _I, _P, _P, *[_I] * 6, _F, *[_P] * 7, _I, _I, _I, _F)
-    + (*[_P] * 6, _I, _P, _P),
+    # LayerRow table, DecoderStatics, x, hidden, tokens, positions, AttentionStep, scratch
+    "hr_decoder_layers": (_P, _P, _P, _P, _I, _P, _P, _P),
+    "hr_decoder_abi": (_P,),  # sizes and offsets of the decoder's structs (a test's check)
 }
 
 
