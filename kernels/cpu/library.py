@@ -30,6 +30,7 @@ SIGNATURES = {
     "hr_quant_linear_int8_tile16": (_I, _P, _I, _I, _P, _I, _P, _P),  # a test's check
     "hr_dequantize_rows": (_I, _P, _I, _P, _I, _P),
     "hr_dequantize_tiled": (_I, _P, _I, _P, _I, _P),
+    "hr_format_traits": (_P,),  # the C++ table of the formats (a test's check)
     "hr_rms_norm": (_P, _P, _P, _I, _I, _F),
     "hr_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
     "hr_head_rms_norm": (_P, _P, _I, _I, _I, _I, _F),
