@@ -78,6 +78,31 @@ def check_backend(
         backend = CPU_KERNELS if native_cpu else REFERENCE
         log.info("attention backend", backend=backend, device=str(device), dtype=_name(dtype))
         return backend
+    _check_cuda_sizes(dtype, head_dim, num_heads, num_kv_heads, block_size)
+    if not cuda.has_cupy():
+        raise RuntimeError(
+            "CuPy is not installed, and --device cuda runs attention only through the CuPy "
+            "kernels: pip install 'headrace[gpu]' (CUDA 13) or 'headrace[gpu-cuda12]', "
+            "or make setup-gpu"
+        )
+    count = cuda.warm_up(device, dtype, head_dim, block_size)
+    log.info(
+        "attention backend",
+        backend=CUDA,
+        device=str(device),
+        dtype=_name(dtype),
+        head_dim=head_dim,
+        block_size=block_size,
+        kernels_loaded=count,
+    )
+    return CUDA
+
+
+def _check_cuda_sizes(
+    dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, block_size: int
+) -> None:
+    """ValueError naming the option (--dtype, --block-size) or the model's sizes that the
+    CUDA kernels have no instantiation for."""
     if dtype not in ATTENTION_DTYPES:
         names = ", ".join(str(t).removeprefix("torch.") for t in ATTENTION_DTYPES)
         raise ValueError(
@@ -96,23 +121,6 @@ def check_backend(
         )
     if num_heads % num_kv_heads:
         raise ValueError(f"model: {num_heads} query heads are not a multiple of {num_kv_heads}")
-    if not cuda.has_cupy():
-        raise RuntimeError(
-            "CuPy is not installed, and --device cuda runs attention only through the CuPy "
-            "kernels: pip install 'headrace[gpu]' (CUDA 13) or 'headrace[gpu-cuda12]', "
-            "or make setup-gpu"
-        )
-    count = cuda.warm_up(device, dtype, head_dim, block_size)
-    log.info(
-        "attention backend",
-        backend=CUDA,
-        device=str(device),
-        dtype=_name(dtype),
-        head_dim=head_dim,
-        block_size=block_size,
-        kernels_loaded=count,
-    )
-    return CUDA
 
 
 def _name(dtype: torch.dtype) -> str:

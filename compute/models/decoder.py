@@ -155,22 +155,8 @@ class DecoderModel:
         self.layers = [
             _fuse_layer(weights, i, config, int8, native) for i in range(config.num_layers)
         ]
-        self.rope = RotaryEmbedding(
-            rope.inv_freq(config),
-            config.max_position_embeddings,
-            self.device,
-            self.dtype,
-        )
-        self.local_rope = None  # Gemma 3's sliding layers: default RoPE of their own base
-        if config.rope_local_theta is not None:
-            self.local_rope = RotaryEmbedding(
-                rope.default_inv_freq(config.head_dim, config.rope_local_theta),
-                config.max_position_embeddings,
-                self.device,
-                self.dtype,
-            )
+        self.rope, self.local_rope = _rotary_embeddings(config, self.device, self.dtype)
         self.scale = config.attn_scale
-        self.int8 = int8
         # Every layer in one kernel call (kernels/cpu/decoder.py decoder_layers) when every
         # projection is quantized: bit-identical to the per-op path, ~1.4 ms less Python
         # per step. Tests turn it off to compare the two.
@@ -355,26 +341,7 @@ def _fuse_layer(
         extra["attn_out_norm"] = w("post_attention_layernorm.weight")
         extra["mlp_out_norm"] = w("post_feedforward_layernorm.weight")
         post_norm = "pre_feedforward_layernorm.weight"
-    mlp: dict = {"gate_up": None, "down": None}
-    if cfg.is_moe_layer(i):
-        experts = [
-            Expert(
-                gate_up=Projection(
-                    fuse([w(f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up")], int8),
-                    int8=int8,
-                ),
-                down=Projection(w(f"mlp.experts.{e}.down_proj.weight"), int8=int8),
-            )
-            for e in range(cfg.num_experts)
-        ]
-        mlp["moe"] = MoE(
-            w("mlp.gate.weight"), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, native
-        )
-    else:
-        mlp["gate_up"] = Projection(
-            fuse([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], int8), int8=int8
-        )
-        mlp["down"] = Projection(w("mlp.down_proj.weight"), int8=int8)
+    mlp = _moe_mlp(w, cfg, int8, native) if cfg.is_moe_layer(i) else _dense_mlp(w, int8)
     return LayerWeights(
         input_norm=w("input_layernorm.weight"),
         qkv=Projection(
@@ -385,3 +352,41 @@ def _fuse_layer(
         **mlp,
         **extra,
     )
+
+
+def _dense_mlp(w, int8: bool) -> dict:
+    """A dense layer's MLP projections (``w``: the layer's weight by name, popped)."""
+    gate_up = fuse([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], int8)
+    return {
+        "gate_up": Projection(gate_up, int8=int8),
+        "down": Projection(w("mlp.down_proj.weight"), int8=int8),
+    }
+
+
+def _moe_mlp(w, cfg: ModelConfig, int8: bool, native: bool) -> dict:
+    """A mixture-of-experts layer's MLP: its router and experts (``w`` as _dense_mlp's)."""
+    experts = [
+        Expert(
+            gate_up=Projection(
+                fuse([w(f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up")], int8),
+                int8=int8,
+            ),
+            down=Projection(w(f"mlp.experts.{e}.down_proj.weight"), int8=int8),
+        )
+        for e in range(cfg.num_experts)
+    ]
+    moe = MoE(w("mlp.gate.weight"), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, native)
+    return {"gate_up": None, "down": None, "moe": moe}
+
+
+def _rotary_embeddings(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """The model's RoPE, and its sliding layers' (Gemma 3: default RoPE of their own base;
+    None without)."""
+    positions = config.max_position_embeddings
+    local = None
+    if config.rope_local_theta is not None:
+        local_freq = rope.default_inv_freq(config.head_dim, config.rope_local_theta)
+        local = RotaryEmbedding(local_freq, positions, device, dtype)
+    return RotaryEmbedding(rope.inv_freq(config), positions, device, dtype), local

@@ -68,17 +68,19 @@ class DecoderStatics(ctypes.Structure):
     """What every step of a model passes alike: the layer count, hidden size, heads, KV
     heads, head dim, the dense layers' intermediate size, int8 activations, tanh-GELU
     (else SiLU), the caches' KV dtype code and block size, the RoPE tables, RMSNorm's eps,
-    the attention scale and soft-cap (0: none).
-
-    decoder_statics also keeps, beside the C fields, what the launcher needs of them: the
-    tensors behind the pointers (``rope``, ``caches``: the first layer's, for the checks)
-    and the MoE layers' moe_shape (``moe``, None: none; it sizes their scratch)."""
+    the attention scale and soft-cap (0: none)."""
 
     _fields_ = (
         ("num_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("dim", _I),
         ("inter", _I), ("int8", _I), ("gelu", _I), ("kv_dtype", _I), ("block_size", _I),
         ("cos", _P), ("sin", _P), ("eps", _F), ("scale", _F), ("softcap", _F),
     )  # fmt: skip
+    # Beside the C fields, what the launcher needs (decoder_statics sets them): the RoPE
+    # tables behind cos and sin, the first layer's caches (for the checks), the MoE layers'
+    # moe_shape (None: none; it sizes their scratch).
+    rope: tuple[Tensor, Tensor] = ()
+    caches: tuple[Tensor, Tensor] = ()
+    moe: tuple[int, int, int] | None = None
 
 
 class AttentionStep(ctypes.Structure):
@@ -243,7 +245,7 @@ def decoder_layers(
     q = torch.empty(tokens, statics.heads, statics.dim, dtype=torch.float32)
     if check:
         _check_step(table, statics, x, hidden, positions, meta, q)
-    scratch, buffers = _scratch(statics, tokens, q)
+    scratch, _buffers = _scratch(statics, tokens, q)  # the buffers live through the call
     step = AttentionStep(
         meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(), meta.context_lens.data_ptr(),
         meta.query_start_loc.data_ptr(), meta.num_seqs, meta.block_tables.shape[1],
@@ -253,7 +255,6 @@ def decoder_layers(
             table, ctypes.byref(statics), x.data_ptr(), hidden.data_ptr(), tokens,
             positions.data_ptr(), ctypes.byref(step), ctypes.byref(scratch),
         )  # fmt: skip
-    del buffers  # alive until the call returned
     return x
 
 
