@@ -39,7 +39,9 @@ from compute.loaders import load_model
 from compute.models.decoder import fuse
 from kernels import reference
 from kernels.cpu import build as cpu_build
-from kernels.cpu import launch as cpu
+from kernels.cpu.attention import paged_attention
+from kernels.cpu.library import available
+from kernels.cpu.quant_linear import quant_linear
 from kernels.metadata import AttentionMetadata
 
 MODES = ("dense", "quantized", "quantized-int8")
@@ -96,8 +98,8 @@ def bench_linear(args) -> list[dict]:
 
             row = {"matrix": name, "shape": [qw.rows, qw.cols], "rows": n}
             row["dense_us"] = 1e6 * timed(torch_fp32, args.reps, args.min_ms)
-            exact = functools.partial(cpu.quant_linear, x, qw)
-            int8 = functools.partial(cpu.quant_linear, x, tiled[name], int8=True)
+            exact = functools.partial(quant_linear, x, qw)
+            int8 = functools.partial(quant_linear, x, tiled[name], int8=True)
             row["quantized_us"] = 1e6 * timed(exact, args.reps, args.min_ms)
             row["quantized_int8_us"] = 1e6 * timed(int8, args.reps, args.min_ms)
             rows.append(row)
@@ -126,7 +128,7 @@ def bench_pass(args) -> list[dict]:
 
         def one_pass(ws=ws, xs=xs, int8=int8):
             for w in ws:
-                cpu.quant_linear(xs[w.cols], w, int8=int8, check=False)
+                quant_linear(xs[w.cols], w, int8=int8, check=False)
 
         nbytes = sum(w.nbytes for w in ws)
         seconds = timed(one_pass, args.reps, args.min_ms)
@@ -159,7 +161,7 @@ def bench_attention(args) -> list[dict]:
             functools.partial(reference.paged_attention, *call), args.reps, args.min_ms
         )
         row["kernel_us"] = 1e6 * timed(
-            functools.partial(cpu.paged_attention, *call), args.reps, args.min_ms
+            functools.partial(paged_attention, *call), args.reps, args.min_ms
         )
         rows.append(row)
         case = f"batch={batch:3d} context={context:5d} query={qlen:4d}"
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if not cpu.available():
+    if not available():
         raise SystemExit("the CPU kernels cannot be built on this machine")
     skip = {part for part in args.skip.split(",") if part}
     result = {"load_average_start": common.load_average(), "isa": cpu_build.best_isa()}

@@ -37,8 +37,9 @@ import torch
 from bench import common
 from compute.loaders import load_model
 from compute.models.decoder import fuse
-from kernels.cpu import launch as cpu
+from kernels.cpu.library import use_torch_threads
 from kernels.cpu.quant import FORMATS
+from kernels.cpu.quant_linear import quant_linear
 
 WIDENED = "quantized-int8, Q5_0/Q6_K as Q8_0"
 AS_Q4_1 = "quantized-int8, Q4_K as Q4_1"
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantized", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cpu.use_torch_threads()  # the kernels' OpenMP team: the same count
+    use_torch_threads()  # the kernels' OpenMP team: the same count
     if args.rss_child:
         return rss_child(args.rss_child, bool(args.quantized))
     if not args.files:
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             t = time.perf_counter()
             for _ in range(args.passes):
                 for w in ws:
-                    cpu.quant_linear(xs[w.cols], w, int8=int8, check=False)
+                    quant_linear(xs[w.cols], w, int8=int8, check=False)
             samples[key].append((time.perf_counter() - t) / args.passes)
     load.append(common.load_average())
     rows = []

@@ -3,7 +3,7 @@
 CUDA tensors go to the CuPy RawKernels (kernels/cuda/launch.py), CPU tensors to the
 torch reference (kernels/reference.py): the test oracle, and the CPU fallback
 (``--cpu-kernels torch``, or where the CPU kernels cannot be built). On the CPU
-kernels (kernels/cpu/launch.py) the model calls them itself and does not come here.
+kernels (kernels/cpu/) the model calls them itself and does not come here.
 There is no silent fallback on CUDA: a CUDA tensor without CuPy is an error, and
 ``check_backend`` says so (with every other thing the kernels cannot serve) when
 the engine starts, not at its first step.
@@ -68,7 +68,7 @@ def check_backend(
 ) -> str:
     """The attention backend for a model of these sizes on `device`, ready to run.
 
-    On the CPU: the CPU kernels (kernels/cpu/launch.py) when ``native_cpu``, else the torch
+    On the CPU: the CPU kernels (kernels/cpu/) when ``native_cpu``, else the torch
     reference.
     On CUDA: ValueError naming the option (--dtype, --block-size) or the model's head dim
     when the kernels have no instantiation for it, RuntimeError when CuPy is missing; then
@@ -78,6 +78,31 @@ def check_backend(
         backend = CPU_KERNELS if native_cpu else REFERENCE
         log.info("attention backend", backend=backend, device=str(device), dtype=_name(dtype))
         return backend
+    _check_cuda_sizes(dtype, head_dim, num_heads, num_kv_heads, block_size)
+    if not cuda.has_cupy():
+        raise RuntimeError(
+            "CuPy is not installed, and --device cuda runs attention only through the CuPy "
+            "kernels: pip install 'headrace[gpu]' (CUDA 13) or 'headrace[gpu-cuda12]', "
+            "or make setup-gpu"
+        )
+    count = cuda.warm_up(device, dtype, head_dim, block_size)
+    log.info(
+        "attention backend",
+        backend=CUDA,
+        device=str(device),
+        dtype=_name(dtype),
+        head_dim=head_dim,
+        block_size=block_size,
+        kernels_loaded=count,
+    )
+    return CUDA
+
+
+def _check_cuda_sizes(
+    dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, block_size: int
+) -> None:
+    """ValueError naming the option (--dtype, --block-size) or the model's sizes that the
+    CUDA kernels have no instantiation for."""
     if dtype not in ATTENTION_DTYPES:
         names = ", ".join(str(t).removeprefix("torch.") for t in ATTENTION_DTYPES)
         raise ValueError(
@@ -96,23 +121,6 @@ def check_backend(
         )
     if num_heads % num_kv_heads:
         raise ValueError(f"model: {num_heads} query heads are not a multiple of {num_kv_heads}")
-    if not cuda.has_cupy():
-        raise RuntimeError(
-            "CuPy is not installed, and --device cuda runs attention only through the CuPy "
-            "kernels: pip install 'headrace[gpu]' (CUDA 13) or 'headrace[gpu-cuda12]', "
-            "or make setup-gpu"
-        )
-    count = cuda.warm_up(device, dtype, head_dim, block_size)
-    log.info(
-        "attention backend",
-        backend=CUDA,
-        device=str(device),
-        dtype=_name(dtype),
-        head_dim=head_dim,
-        block_size=block_size,
-        kernels_loaded=count,
-    )
-    return CUDA
 
 
 def _name(dtype: torch.dtype) -> str:

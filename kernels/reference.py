@@ -1,6 +1,6 @@
 """Torch reference kernels: the test oracle of the CPU and CUDA kernels, and the CPU fallback.
 
-The CPU path is the C++ kernels (kernels/cpu/launch.py, kernels/csrc/cpu/); these run steps only
+The CPU path is the C++ kernels (kernels/cpu/, kernels/csrc/cpu/); these run steps only
 with ``--cpu-kernels torch`` or where those kernels cannot be built.
 
 ``reshape_and_cache`` writes a step's new K/V into the paged cache;

@@ -16,7 +16,7 @@ import torch
 from compute.core.config import DeviceConfig
 from compute.device.allocator import keep_freed_memory
 from compute.device.threads import available_cpus, default_threads
-from kernels.cpu import launch as cpu
+from kernels.cpu.library import available
 from kernels.log import get_logger
 
 log = get_logger(__name__)
@@ -59,9 +59,9 @@ def cpu_execution(cfg: DeviceConfig, device: torch.device, dtype: torch.dtype) -
     fits = device.type == "cpu" and dtype == torch.float32
     if cfg.cpu_kernels == "native" and not fits:
         raise ValueError("cpu_kernels: the CPU kernels run on the CPU in float32 only")
-    if cfg.cpu_kernels == "native" and not cpu.available():
+    if cfg.cpu_kernels == "native" and not available():
         raise ValueError("cpu_kernels: the CPU kernels cannot be built here (see the log)")
-    native = cfg.cpu_kernels == "native" or (cfg.cpu_kernels == "auto" and fits and cpu.available())
+    native = cfg.cpu_kernels == "native" or (cfg.cpu_kernels == "auto" and fits and available())
     if cfg.weights.startswith("quantized") and not native:
         raise ValueError("weights: quantized weights need the CPU kernels (--cpu-kernels native)")
     if cfg.weights == "auto":

@@ -39,8 +39,8 @@ def load_model(
 ) -> LoadedModel:
     """Load `source`: "default", a `.gguf` file, an HF directory, or `dummy:<shape>`.
 
-    ``quantized``: keep a GGUF file's block-quantized matrices (Q4_0/Q4_1/Q8_0, Q5_0/Q5_1,
-    Q4_K/Q5_K/Q6_K) in their blocks (for the CPU kernels); other sources and formats load
+    ``quantized``: keep a GGUF file's block-quantized matrices in their blocks (for the CPU
+    kernels; the formats of kernels.cpu.quant.FORMATS); other sources and formats load
     dense either way."""
     # Format loaders are imported when used: only GGUF users pay for gguf, and so on.
     if source.startswith(DUMMY_PREFIX):

@@ -26,7 +26,7 @@ from compute.loaders.memory_check import check_fits
 from compute.models.families import PATTERN, Family, gguf_family
 from compute.tokenizer.gguf_vocab import gguf_field
 from compute.tokenizer.tokenizer import Tokenizer
-from kernels.cpu.quant import QuantizedWeight
+from kernels.cpu.quant import FORMATS, QuantizedWeight
 from kernels.log import get_logger
 
 log = get_logger(__name__)
@@ -70,19 +70,8 @@ _ROPE_FREQS = "rope_freqs.weight"
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # rope.scaling.type values headrace honours ("none" and linear; llama3 is rope_freqs).
 _ROPE_SCALING_TYPES = ("none", "linear")
-# GGUF block formats the CPU kernels compute with directly (kernels/cpu/quant.py).
-_KEPT_FORMATS = {
-    gguf.GGMLQuantizationType.Q4_0: "q4_0",
-    gguf.GGMLQuantizationType.Q4_1: "q4_1",
-    gguf.GGMLQuantizationType.Q8_0: "q8_0",
-    gguf.GGMLQuantizationType.Q5_0: "q5_0",
-    gguf.GGMLQuantizationType.Q5_1: "q5_1",
-    gguf.GGMLQuantizationType.Q4_K: "q4_k",
-    gguf.GGMLQuantizationType.Q5_K: "q5_k",
-    gguf.GGMLQuantizationType.Q6_K: "q6_k",
-    gguf.GGMLQuantizationType.IQ4_NL: "iq4_nl",
-    gguf.GGMLQuantizationType.IQ4_XS: "iq4_xs",
-}
+# GGUF block formats the CPU kernels compute with directly, by GGUF tensor type.
+_KEPT_FORMATS = {f.ggml_type: name for name, f in FORMATS.items()}
 # Types that are not block quantizations: these load as dense tensors in any mode.
 _DENSE_TYPES = (
     gguf.GGMLQuantizationType.F32,

@@ -9,7 +9,7 @@ arrive with Hugging Face Llama names (compute/loaders/) and are fused here
 
 Two ways to run on the CPU, chosen by the engine (``native``):
 
-- the CPU kernels (kernels/cpu/launch.py): weights may stay in the GGUF file's blocks
+- the CPU kernels (kernels/cpu/): weights may stay in the GGUF file's blocks
   (kernels/cpu/quant.py) and are expanded in registers inside each matmul; RMSNorm with
   its residual add, RoPE with the cache write, attention over the paged cache and
   SiLU * up are one call each;
@@ -22,6 +22,7 @@ Two ways to run on the CPU, chosen by the engine (``native``):
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,8 +33,12 @@ from compute.core.config import ModelConfig
 from compute.models import rope
 from compute.models.moe import Expert, MoE
 from kernels import ops
-from kernels.cpu import launch as cpu
+from kernels.cpu import decoder as cpu_decoder
+from kernels.cpu.attention import paged_attention, rope_and_cache
+from kernels.cpu.elementwise import add_rms_norm, gelu_tanh_mul, head_rms_norm, rms_norm, silu_mul
+from kernels.cpu.library import use_torch_threads
 from kernels.cpu.quant import QuantizedWeight
+from kernels.cpu.quant_linear import dequantize_rows, quant_linear
 from kernels.metadata import AttentionMetadata
 
 # Rows up to which the transposed copy is faster (see the module docstring).
@@ -56,7 +61,7 @@ class Projection:
 
     def __call__(self, x: torch.Tensor, check: bool = True) -> torch.Tensor:
         if self.quantized is not None:
-            return cpu.quant_linear(x, self.quantized, self.bias, self.int8, check)
+            return quant_linear(x, self.quantized, self.bias, self.int8, check)
         if self.weight_t is not None and x.shape[0] <= _GEMV_ROWS:
             out = x @ self.weight_t
             return out if self.bias is None else out.add_(self.bias)
@@ -135,7 +140,7 @@ class DecoderModel:
         """Build from HF-named weights. Per-layer tensors are popped from ``weights``
         as they are fused, so peak memory stays near one copy of the model.
         ``native``: run on the CPU kernels (fp32, CPU only; quantized weights need it);
-        ``int8``: quantized matmuls take int8 activations (kernels/cpu/launch.py quant_linear)."""
+        ``int8``: quantized matmuls take int8 activations (kernels/cpu/quant_linear.py)."""
         self.config = config
         embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
@@ -150,23 +155,9 @@ class DecoderModel:
         self.layers = [
             _fuse_layer(weights, i, config, int8, native) for i in range(config.num_layers)
         ]
-        self.rope = RotaryEmbedding(
-            rope.inv_freq(config),
-            config.max_position_embeddings,
-            self.device,
-            self.dtype,
-        )
-        self.local_rope = None  # Gemma 3's sliding layers: default RoPE of their own base
-        if config.rope_local_theta is not None:
-            self.local_rope = RotaryEmbedding(
-                rope.default_inv_freq(config.head_dim, config.rope_local_theta),
-                config.max_position_embeddings,
-                self.device,
-                self.dtype,
-            )
+        self.rope, self.local_rope = _rotary_embeddings(config, self.device, self.dtype)
         self.scale = config.attn_scale
-        self.int8 = int8
-        # Every layer in one kernel call (kernels/cpu/launch.py decoder_layers) when every
+        # Every layer in one kernel call (kernels/cpu/decoder.py decoder_layers) when every
         # projection is quantized: bit-identical to the per-op path, ~1.4 ms less Python
         # per step. Tests turn it off to compare the two.
         # Per-head q/k norms (Qwen3, Gemma 3), Gemma's deltas (output norms, GeGLU, the
@@ -177,11 +168,8 @@ class DecoderModel:
             and config.hidden_act in ("silu", "gelu_tanh")
             and all(_fusable(layer) for layer in self.layers)
         )
-        # The fused call's MLP shapes: the dense layers' (0: none), the MoE layers'.
-        dense = any(layer.moe is None for layer in self.layers)
-        self._dense_inter = config.intermediate_size if dense else 0
-        self._moe_shape = next(filter(None, map(cpu.moe_shape, self.layers)), None)
-        self._table: tuple[tuple[int, ...], torch.Tensor] | None = None  # (cache ptrs, table)
+        # The fused call's (cache pointers, layer table, statics), built at its first step.
+        self._table: tuple[tuple[int, ...], ctypes.Array, cpu_decoder.DecoderStatics] | None = None
 
     @torch.inference_mode()
     def forward(
@@ -193,16 +181,12 @@ class DecoderModel:
     ) -> torch.Tensor:
         """Hidden states [T, H] after the final norm, for every token of the batch."""
         if self.native:
-            cpu.use_torch_threads()
+            use_torch_threads()
         hidden = self._embed(token_ids)  # the residual stream, updated in place
         x = self._rms_norm(hidden, self.layers[0].input_norm)
         if self.fused_layers and sum(meta.query_lens) == token_ids.shape[0]:
-            cfg, (key_cache, value_cache) = self.config, kv_caches[0]
-            return cpu.decoder_layers(
-                self._decoder_table(kv_caches), self.int8, x, hidden, positions,
-                self.rope.cos, self.rope.sin, key_cache, value_cache, meta, cfg.num_heads,
-                self._dense_inter, cfg.rms_norm_eps, self.scale, moe=self._moe_shape,
-            )  # fmt: skip
+            table, statics = self._decoder_table(kv_caches)
+            return cpu_decoder.decoder_layers(table, statics, x, hidden, positions, meta)
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm, (key_cache, value_cache) in zip(
             self.layers, norms, kv_caches, strict=True
@@ -220,18 +204,23 @@ class DecoderModel:
             x = self._add_norm(mlp, hidden, next_norm, check)
         return x
 
-    def _decoder_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """decoder_layers' table, rebuilt only when the caches are other tensors."""
+    def _decoder_table(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[ctypes.Array, cpu_decoder.DecoderStatics]:
+        """decoder_layers' table and statics, rebuilt only when the caches are other tensors."""
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._table is None or self._table[0] != key:
             cfg, local = self.config, self.local_rope
-            table = cpu.decoder_table(
-                self.layers, self.norm, kv_caches, gelu=cfg.hidden_act == "gelu_tanh",
+            table = cpu_decoder.decoder_table(
+                self.layers, self.norm, kv_caches, None if local is None else (local.cos, local.sin)
+            )
+            statics = cpu_decoder.decoder_statics(
+                self.layers, kv_caches[0], (self.rope.cos, self.rope.sin), num_heads=cfg.num_heads,
+                eps=cfg.rms_norm_eps, scale=self.scale, gelu=cfg.hidden_act == "gelu_tanh",
                 softcap=cfg.attn_logit_softcap,
-                local_rope=None if local is None else (local.cos, local.sin),
             )  # fmt: skip
-            self._table = (key, table)
-        return self._table[1]
+            self._table = (key, table, statics)
+        return self._table[1:]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -244,7 +233,7 @@ class DecoderModel:
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed_tokens, QuantizedWeight):
-            embeds = cpu.dequantize_rows(self.embed_tokens, token_ids)
+            embeds = dequantize_rows(self.embed_tokens, token_ids)
         else:
             embeds = F.embedding(token_ids, self.embed_tokens)
         if self.config.embed_scale != 1.0:  # Gemma: times sqrt(hidden), rounded to the dtype
@@ -259,11 +248,11 @@ class DecoderModel:
         rope = self.local_rope if layer.local_rope else self.rope
         softcap = cfg.attn_logit_softcap
         if self.native:
-            q = cpu.rope_and_cache(
+            q = rope_and_cache(
                 qkv, positions, rope.cos, rope.sin, key_cache, value_cache,
                 meta.slot_mapping, cfg.num_heads, check,
             )  # fmt: skip
-            out = cpu.paged_attention(
+            out = paged_attention(
                 q, key_cache, value_cache, meta, self.scale, check, layer.window, softcap
             )
             return layer.o_proj(out.view(-1, cfg.q_size), check)
@@ -287,7 +276,7 @@ class DecoderModel:
             (cfg.q_size, cfg.num_kv_heads, layer.k_norm),
         ):
             if self.native:  # one kernel call instead of a few small torch ops
-                cpu.head_rms_norm(qkv, weight, start, heads, cfg.rms_norm_eps)
+                head_rms_norm(qkv, weight, start, heads, cfg.rms_norm_eps)
                 continue
             part = qkv[:, start : start + heads * cfg.head_dim].view(-1, heads, cfg.head_dim)
             xf = part.float()
@@ -300,7 +289,7 @@ class DecoderModel:
         gate_up = layer.gate_up(x, check)
         gelu = self.config.hidden_act == "gelu_tanh"
         if self.native:
-            act = cpu.gelu_tanh_mul if gelu else cpu.silu_mul
+            act = gelu_tanh_mul if gelu else silu_mul
             return layer.down(act(gate_up, check), check)
         gate, up = gate_up.chunk(2, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
@@ -309,13 +298,13 @@ class DecoderModel:
     def _add_norm(self, x, hidden: torch.Tensor, weight: torch.Tensor, check: bool = True):
         """hidden += x (the residual), then the next sublayer's RMSNorm of it."""
         if self.native:
-            return cpu.add_rms_norm(x, hidden, weight, self.config.rms_norm_eps, check)
+            return add_rms_norm(x, hidden, weight, self.config.rms_norm_eps, check)
         hidden.add_(x)
         return self._rms_norm(hidden, weight)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return cpu.rms_norm(x, weight, self.config.rms_norm_eps)
+            return rms_norm(x, weight, self.config.rms_norm_eps)
         # Same op order as HF's LlamaRMSNorm, in fp32, so fp32 parity is exact-ish.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
@@ -352,26 +341,7 @@ def _fuse_layer(
         extra["attn_out_norm"] = w("post_attention_layernorm.weight")
         extra["mlp_out_norm"] = w("post_feedforward_layernorm.weight")
         post_norm = "pre_feedforward_layernorm.weight"
-    mlp: dict = {"gate_up": None, "down": None}
-    if cfg.is_moe_layer(i):
-        experts = [
-            Expert(
-                gate_up=Projection(
-                    fuse([w(f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up")], int8),
-                    int8=int8,
-                ),
-                down=Projection(w(f"mlp.experts.{e}.down_proj.weight"), int8=int8),
-            )
-            for e in range(cfg.num_experts)
-        ]
-        mlp["moe"] = MoE(
-            w("mlp.gate.weight"), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, native
-        )
-    else:
-        mlp["gate_up"] = Projection(
-            fuse([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], int8), int8=int8
-        )
-        mlp["down"] = Projection(w("mlp.down_proj.weight"), int8=int8)
+    mlp = _moe_mlp(w, cfg, int8, native) if cfg.is_moe_layer(i) else _dense_mlp(w, int8)
     return LayerWeights(
         input_norm=w("input_layernorm.weight"),
         qkv=Projection(
@@ -382,3 +352,41 @@ def _fuse_layer(
         **mlp,
         **extra,
     )
+
+
+def _dense_mlp(w, int8: bool) -> dict:
+    """A dense layer's MLP projections (``w``: the layer's weight by name, popped)."""
+    gate_up = fuse([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], int8)
+    return {
+        "gate_up": Projection(gate_up, int8=int8),
+        "down": Projection(w("mlp.down_proj.weight"), int8=int8),
+    }
+
+
+def _moe_mlp(w, cfg: ModelConfig, int8: bool, native: bool) -> dict:
+    """A mixture-of-experts layer's MLP: its router and experts (``w`` as _dense_mlp's)."""
+    experts = [
+        Expert(
+            gate_up=Projection(
+                fuse([w(f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up")], int8),
+                int8=int8,
+            ),
+            down=Projection(w(f"mlp.experts.{e}.down_proj.weight"), int8=int8),
+        )
+        for e in range(cfg.num_experts)
+    ]
+    moe = MoE(w("mlp.gate.weight"), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, native)
+    return {"gate_up": None, "down": None, "moe": moe}
+
+
+def _rotary_embeddings(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """The model's RoPE, and its sliding layers' (Gemma 3: default RoPE of their own base;
+    None without)."""
+    positions = config.max_position_embeddings
+    local = None
+    if config.rope_local_theta is not None:
+        local_freq = rope.default_inv_freq(config.head_dim, config.rope_local_theta)
+        local = RotaryEmbedding(local_freq, positions, device, dtype)
+    return RotaryEmbedding(rope.inv_freq(config), positions, device, dtype), local

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import launch as cpu
+from kernels.cpu.elementwise import silu_mul
+from kernels.cpu.moe import moe, moe_route, moe_table
 from kernels.cpu.quant import QuantizedWeight
 
 # Router rows per broadcast-and-sum chunk (bounds its [rows, E, H] temporary).
@@ -65,7 +66,7 @@ class MoE:
         self._loop_runs = 0
         # Every expert in one kernel call per step (kernels/csrc/cpu/moe.cpp), when each
         # projection is one block format; else (dense weights, stacked formats) per op.
-        self.table = cpu.moe_table(experts) if native else None
+        self.table = moe_table(experts) if native else None
         self.int8 = bool(experts and experts[0].gate_up.int8)
         self.inter = 0
         if self.table is not None:
@@ -79,7 +80,7 @@ class MoE:
     def route(self, x: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k] int64) of each token."""
         if self.native:
-            return cpu.moe_route(self.router, x, self.top_k, self.normalize, check)
+            return moe_route(self.router, x, self.top_k, self.normalize, check)
         w = self.router
         logits = torch.cat(
             [
@@ -96,7 +97,7 @@ class MoE:
     def __call__(self, x: torch.Tensor, check: bool = True) -> torch.Tensor:
         """x [T, H] (the normed hidden states) -> the MLP's output [T, H]."""
         if self.table is not None:
-            return cpu.moe(
+            return moe(
                 self.router, self.table, self.int8, x, self.top_k, self.normalize, self.inter,
                 self.runs, check,
             )  # fmt: skip
@@ -124,7 +125,7 @@ class MoE:
     def _expert(self, expert: Expert, x: torch.Tensor, check: bool) -> torch.Tensor:
         gate_up = expert.gate_up(x, check)
         if self.native:
-            return expert.down(cpu.silu_mul(gate_up, check), check)
+            return expert.down(silu_mul(gate_up, check), check)
         gate, up = gate_up.chunk(2, dim=-1)
         return expert.down(F.silu(gate) * up)
 

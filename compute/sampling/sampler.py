@@ -61,7 +61,7 @@ from compute.sampling.fault_hook import FaultHook
 from compute.sampling.grammar_masks import GrammarMasks
 from compute.sampling.logit_processors import process_logits
 from compute.sampling.penalties import Penalties
-from kernels.cpu import launch as cpu_kernels
+from kernels.cpu.elementwise import argmax_rows
 from kernels.transfer import device_tensor
 
 # Below this the division overflows to inf (then NaN in softmax) for large logits;
@@ -207,7 +207,7 @@ class Sampler:
             and logits.dtype == torch.float32
             and logits.is_contiguous()
         ):
-            return cpu_kernels.argmax_rows(logits)
+            return argmax_rows(logits)
         return logits.argmax(dim=-1)
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -8,7 +8,7 @@ dequantizes to exactly the fp32 value of ``gguf.quants.dequantize``. Q5_0, Q5_1 
 K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) and IQ4_NL / IQ4_XS (4-bit indices into
 a fixed table of 16 values; IQ4_XS in super-blocks of 256) keep the file's bytes unchanged
 (``file_order``): the exact kernel reads their blocks in place, and each has a tiled layout
-for the int8 kernel too (``INT8_FILE_ORDER``).
+for the int8 kernel too (``int8_layout``).
 
 The int8 kernel reads a second arrangement of the same bytes, ``tiled()``: rows in tiles
 of 16, each block's codes interleaved 4 at a time across the tile's rows (spelled out in
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 BLOCK = 32  # weights per block, in every supported format
 TILE = 16  # rows per tile of the tiled layout
@@ -35,47 +36,67 @@ TILE = 16  # rows per tile of the tiled layout
 
 @dataclass(frozen=True)
 class BlockFormat:
+    """A GGUF block format, as the kernels read it: the one Python record of it (the C++
+    one is kernels/csrc/cpu/common.h kFormats; tests/kernels/test_cpu_formats.py checks
+    that the two agree). Every format is read by the exact kernel (quant_linear.cpp) and
+    by ``dequantize`` (torch); ``int8``: by the int8 kernel too (quant_linear_int8.cpp)."""
+
     name: str
-    code: int  # the kernels' format number
-    block_bytes: int  # bytes of one block in the GGUF file
-    code_bytes: int  # bytes of codes per block (16: nibbles, 32: int8); 0: file order
-    scale_fields: int  # fp16 values per block after the codes: d, or d and m
-    block_values: int = BLOCK  # weights per block (256: a K-quant super-block)
-    # Rows keep the file's blocks as they are (no regrouping, no tiled layout): the
-    # exact kernel reads them in place (the layouts at the top of quant_linear.cpp).
+    code: int  # the kernels' format number (common.h Format)
+    ggml_type: GGMLQuantizationType | None  # the GGUF tensor type; None: STACKED
+    # The exact kernel's layout: per row, the blocks' codes (code_bytes per block: 16 of
+    # nibbles, 32 of int8), then scale_fields fp16 values per block (d, or d and m); or
+    # (``file_order``) the file's blocks as they are, read in place (the layouts at the top
+    # of quant_linear.cpp).
+    code_bytes: int = 0
+    scale_fields: int = 0
     file_order: bool = False
+    # The int8 kernel's tiled layout (quant_linear_int8.cpp): code bytes per block of 32
+    # and row, then fp16 fields per block of 32 (the K-quants and IQ4_XS: 0, their scales
+    # per super-block); None: the int8 kernel does not read the format.
+    int8_layout: tuple[int, int] | None = None
+
+    @property
+    def block_values(self) -> int:
+        """Weights per block (256: a K-quant's or IQ4_XS's super-block), as ggml has it."""
+        return GGML_QUANT_SIZES[self.ggml_type][0] if self.ggml_type is not None else BLOCK
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in the GGUF file (and per row in either layout), as ggml has it."""
+        return GGML_QUANT_SIZES[self.ggml_type][1] if self.ggml_type is not None else 0
+
+    @property
+    def int8(self) -> bool:
+        """Whether the int8 kernel reads the format (in its tiled layout, ``tiled()``)."""
+        return self.int8_layout is not None
 
 
+# The int8 layouts: Q4_0, Q4_1, Q8_0 the exact kernel's codes and fields, tiled; Q5_0 the
+# nibbles as Q4_0's, then a plane of 5th bits; Q5_1 Q5_0's codes, fp16 d and m; Q6_K the
+# nibbles, then 2 vectors of top 2 bits, int8 sub-block scales, fp16 d; Q4_K the nibbles
+# as Q4_0's, the 6-bit scales and mins repacked per tile, fp16 d and dmin; Q5_K the same
+# with Q5_0's plane of 5th bits; IQ4_NL Q4_0's layout (the nibbles are table indices);
+# IQ4_XS the same nibbles, then per super-block its packed 6-bit scales and fp16 d.
+_T = GGMLQuantizationType
 FORMATS = {
-    "q4_0": BlockFormat("q4_0", 0, 18, 16, 1),
-    "q4_1": BlockFormat("q4_1", 1, 20, 16, 2),
-    "q8_0": BlockFormat("q8_0", 2, 34, 32, 1),
-    "q5_0": BlockFormat("q5_0", 3, 22, 0, 0, file_order=True),
-    "q5_1": BlockFormat("q5_1", 4, 24, 0, 0, file_order=True),
-    "q4_k": BlockFormat("q4_k", 5, 144, 0, 0, 256, file_order=True),
-    "q5_k": BlockFormat("q5_k", 6, 176, 0, 0, 256, file_order=True),
-    "q6_k": BlockFormat("q6_k", 7, 210, 0, 0, 256, file_order=True),
-    "iq4_nl": BlockFormat("iq4_nl", 9, 18, 0, 0, file_order=True),
-    "iq4_xs": BlockFormat("iq4_xs", 10, 136, 0, 0, 256, file_order=True),
+    f.name: f
+    for f in (
+        BlockFormat("q4_0", 0, _T.Q4_0, code_bytes=16, scale_fields=1, int8_layout=(16, 1)),
+        BlockFormat("q4_1", 1, _T.Q4_1, code_bytes=16, scale_fields=2, int8_layout=(16, 2)),
+        BlockFormat("q8_0", 2, _T.Q8_0, code_bytes=32, scale_fields=1, int8_layout=(32, 1)),
+        BlockFormat("q5_0", 3, _T.Q5_0, file_order=True, int8_layout=(20, 1)),
+        BlockFormat("q5_1", 4, _T.Q5_1, file_order=True, int8_layout=(20, 2)),
+        BlockFormat("q4_k", 5, _T.Q4_K, file_order=True, int8_layout=(16, 0)),
+        BlockFormat("q5_k", 6, _T.Q5_K, file_order=True, int8_layout=(20, 0)),
+        BlockFormat("q6_k", 7, _T.Q6_K, file_order=True, int8_layout=(24, 0)),
+        BlockFormat("iq4_nl", 9, _T.IQ4_NL, file_order=True, int8_layout=(16, 1)),
+        BlockFormat("iq4_xs", 10, _T.IQ4_XS, file_order=True, int8_layout=(16, 0)),
+    )
 }
 # Weights of different formats stacked row-wise (QuantizedWeight.stack): data is a table of
 # the parts, each computed in its own format (quant_linear.cpp hr_quant_linear).
-STACKED = BlockFormat("stacked", 8, 0, 0, 0, file_order=True)
-# Formats kept in file order (for the exact kernel) that the int8 kernel also reads, in its
-# tiled layout (quant_linear_int8.cpp): Q5_0 (the nibbles as Q4_0's, then a plane of 5th
-# bits) and Q6_K (the nibbles, then 2 vectors of top 2 bits; int8 sub-block scales, fp16 d).
-# Q4_K: the nibbles as Q4_0's, the 6-bit scales and mins repacked per tile, fp16 d and dmin;
-# Q5_K: the same with Q5_0's plane of 5th bits; Q5_1: Q5_0's codes, fp16 d and m. IQ4_NL:
-# Q4_0's layout (the nibbles are table indices); IQ4_XS: the same nibbles, then per
-# super-block its packed 6-bit scales and fp16 d.
-INT8_FILE_ORDER = frozenset({"q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"})
-
-
-def _tiled_bytes(f: BlockFormat) -> tuple[int, int]:
-    """Code bytes per block and row, and fp16 fields per block, in the tiled layout."""
-    table = {"q5_0": (20, 1), "q5_1": (20, 2), "q4_k": (16, 0), "q5_k": (20, 0), "q6_k": (24, 0),
-             "iq4_nl": (16, 1), "iq4_xs": (16, 0)}  # fmt: skip
-    return table.get(f.name, (f.code_bytes, f.scale_fields))
+STACKED = BlockFormat("stacked", 8, None, file_order=True)
 
 
 @dataclass(frozen=True)
@@ -173,7 +194,7 @@ class QuantizedWeight:
         210 and 136 per 256); a stack of per-row parts is refused (convert the parts, then
         stack them)."""
         f = self.format
-        if not f.file_order or f.name in INT8_FILE_ORDER or self.tiled_layout:
+        if f.int8 or self.tiled_layout:
             return self
         if self.parts:
             raise ValueError("for_int8: convert the parts, then stack or fuse them")
@@ -211,51 +232,18 @@ class QuantizedWeight:
             return self
         if self.parts:  # a stack of per-row parts: each part tiled in its own format
             return QuantizedWeight.stack([p.tiled() for p in self.parts])
-        if self.format.file_order and self.format.name not in INT8_FILE_ORDER:
+        if not self.format.int8:
             raise ValueError(
                 f"{self.format.name}: no int8 kernel for this format yet"
                 " (run these weights with --weights quantized)"
             )
-        f, nb, rows = self.format, self.cols // BLOCK, self.rows
-        if f.name == "q6_k":
-            return _tiled_q6_k(self)
-        if f.name in ("q4_k", "q5_k"):
-            return _tiled_qk(self)
-        if f.name == "iq4_xs":
-            return _tiled_iq4_xs(self)
-        code_bytes, fields = _tiled_bytes(f)
-        padded = -(-rows // TILE) * TILE
-        codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
-        codes[:rows] = self.codes()
-        codes = codes.reshape(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, b, t, i, k]
-        if code_bytes == 32:
-            blocks = codes.reshape(-1, nb, TILE * 32)
-        else:  # vector s: codes 8s.. in the low nibbles, 8s + 4.. in the high
-            low = codes & 15
-            blocks = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(-1, nb, TILE * 16)
-        if code_bytes == 20:  # Q5_0: word t's bit 4i + k = bit 4 of code 4t + k of row i
-            bits = (codes >> 4).reshape(-1, nb, 8, 8, 8)  # [tile, b, t, byte, bit]
-            plane = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
-            blocks = torch.cat([blocks, plane.reshape(-1, nb, 64)], dim=-1)
-        halves = torch.zeros(padded, fields, nb, 2, dtype=torch.uint8)
-        halves[:rows] = self.scales().contiguous().view(torch.uint8).reshape(rows, fields, nb, 2)
-        # [tile, i, field, b, 2 bytes] -> [tile, field, b, i, 2 bytes]
-        halves = halves.reshape(-1, TILE, fields, nb, 2).permute(0, 2, 3, 1, 4)
-        tiles = torch.cat(
-            [
-                blocks.reshape(-1, TILE * nb * code_bytes),
-                halves.reshape(-1, TILE * nb * 2 * fields),
-            ],
-            dim=1,
-        )
-        data = tiles.reshape(padded, -1).contiguous()
-        return QuantizedWeight(f, data, rows, self.cols, tiled_layout=True)
+        return _TILERS.get(self.format.name, _tiled_blocks)(self)
 
     def codes(self) -> torch.Tensor:
         """The codes [rows, nb, 32] (uint8: nibbles 0..15 (IQ4: table indices), Q5_x's
         0..31, or int8's bytes), either layout."""
         f, nb = self._regrouped(), self.cols // BLOCK
-        code_bytes, fields = _tiled_bytes(f)
+        code_bytes, fields = f.int8_layout
         if not self.tiled_layout:
             if f.name in ("q5_0", "q5_1"):
                 return _q5_codes(self.data, self.rows, 2 * fields).to(torch.uint8)
@@ -290,7 +278,7 @@ class QuantizedWeight:
         if f.name in ("q4_k", "q5_k", "q6_k", "iq4_xs"):
             see = {"q6_k": "q6_k_scales", "iq4_xs": "iq4_xs_scales"}.get(f.name, "q4_k_scales")
             raise ValueError(f"{f.name}: scales per super-block of 256, see {see}")
-        code_bytes, fields = _tiled_bytes(f)
+        code_bytes, fields = f.int8_layout
         if not self.tiled_layout:
             if f.name == "iq4_nl":
                 return _iq4_fields(self.data, self.rows, False)[1].reshape(self.rows, 1, nb)
@@ -357,7 +345,7 @@ class QuantizedWeight:
         return ls[: self.rows], d[: self.rows]
 
     def _regrouped(self) -> BlockFormat:
-        if self.format.file_order and self.format.name not in INT8_FILE_ORDER:
+        if not self.format.int8:
             raise ValueError(f"{self.format.name}: codes and scales are read in file order")
         return self.format
 
@@ -392,7 +380,7 @@ class QuantizedWeight:
             return (d * _IQ4_TABLE[q.long()]).reshape(self.rows, self.cols)
         if f.name == "q5_0":  # as gguf: d * (q - 16)
             return (d * (q.int() - 16).float()).reshape(self.rows, self.cols)
-        with_min = _tiled_bytes(f)[1] == 2  # Q4_1, Q5_1: as gguf, d * q + m
+        with_min = f.int8_layout[1] == 2  # Q4_1, Q5_1: as gguf, d * q + m
         offset = halves[:, 1].float().unsqueeze(-1) if with_min else -8.0 * d
         return (q.float() * d + offset).reshape(self.rows, self.cols)
 
@@ -525,6 +513,38 @@ def _qk_fields(data: torch.Tensor, rows: int, high_bits: bool) -> tuple[torch.Te
     return codes, sc.reshape(rows, -1), mn.reshape(rows, -1), halves[..., 0], halves[..., 1]
 
 
+def _tiled_blocks(w: QuantizedWeight) -> QuantizedWeight:
+    """The formats with one scale (and min) per block of 32 (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+    IQ4_NL) in the int8 kernel's tiled layout: per tile, block by block the codes (Q8_0's
+    8 vectors of bytes, else 4 of nibbles, then Q5's plane of 5th bits), then the fp16
+    fields block by block."""
+    f, nb, rows = w.format, w.cols // BLOCK, w.rows
+    code_bytes, fields = f.int8_layout
+    padded = -(-rows // TILE) * TILE
+    codes = torch.zeros(padded, nb, BLOCK, dtype=torch.uint8)
+    codes[:rows] = w.codes()
+    codes = codes.reshape(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, b, t, i, k]
+    if code_bytes == 32:
+        blocks = codes.reshape(-1, nb, TILE * 32)
+    else:  # vector s: codes 8s.. in the low nibbles, 8s + 4.. in the high
+        low = codes & 15
+        blocks = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(-1, nb, TILE * 16)
+    if code_bytes == 20:  # Q5_0: word t's bit 4i + k = bit 4 of code 4t + k of row i
+        bits = (codes >> 4).reshape(-1, nb, 8, 8, 8)  # [tile, b, t, byte, bit]
+        plane = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+        blocks = torch.cat([blocks, plane.reshape(-1, nb, 64)], dim=-1)
+    halves = torch.zeros(padded, fields, nb, 2, dtype=torch.uint8)
+    halves[:rows] = w.scales().contiguous().view(torch.uint8).reshape(rows, fields, nb, 2)
+    # [tile, i, field, b, 2 bytes] -> [tile, field, b, i, 2 bytes]
+    halves = halves.reshape(-1, TILE, fields, nb, 2).permute(0, 2, 3, 1, 4)
+    tiles = torch.cat(
+        [blocks.reshape(-1, TILE * nb * code_bytes), halves.reshape(-1, TILE * nb * 2 * fields)],
+        dim=1,
+    )
+    data = tiles.reshape(padded, -1).contiguous()
+    return QuantizedWeight(f, data, rows, w.cols, tiled_layout=True)
+
+
 def _tiled_qk(w: QuantizedWeight) -> QuantizedWeight:
     """Q4_K (Q5_K) in the int8 kernel's tiled layout (quant_linear_int8.cpp): per tile,
     block by block of 32 the nibbles as Q4_0's 4 vectors (Q5_K: then Q5_0's plane of 5th
@@ -618,6 +638,10 @@ def _tiled_q6_k(w: QuantizedWeight) -> QuantizedWeight:
     )
     data = tiles.reshape(padded, -1).contiguous()
     return QuantizedWeight(w.format, data, rows, w.cols, tiled_layout=True)
+
+
+# The formats whose scales come per super-block of 256, each with a tiler of its own.
+_TILERS = {"q4_k": _tiled_qk, "q5_k": _tiled_qk, "q6_k": _tiled_q6_k, "iq4_xs": _tiled_iq4_xs}
 
 
 def _q8_0(rows: int, cols: int, d: torch.Tensor, codes: torch.Tensor) -> QuantizedWeight:

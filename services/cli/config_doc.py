@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from kernels.cpu.quant import FORMATS
 from services.cli.cli_flags import (
     FLAGS,
     OFFLINE_FLAGS,
@@ -21,6 +22,10 @@ from services.cli.cli_flags import (
     _shown,
     sections,
 )
+
+# The GGUF block formats `--weights quantized` keeps (kernels/cpu/quant.py FORMATS).
+_FORMAT_NAMES = [f.ggml_type.name for f in FORMATS.values()]
+_WEIGHT_FORMATS = ", ".join(_FORMAT_NAMES[:-1]) + " and " + _FORMAT_NAMES[-1]
 
 INTRO = """\
 Every `headrace serve` flag has a `HEADRACE_*` environment twin (flag > environment >
@@ -79,7 +84,7 @@ roles it names are accepted, and gateways get it in the exported tokenizer. A fi
 missing, not UTF-8, does not compile or fails on one user message stops start-up with a
 message that names it.
 """,
-    "device": """\
+    "device": f"""\
 - `--device auto` is CUDA when available; `--device cuda` needs CuPy (`make setup-gpu`).
   `--dtype auto` is fp32 on the CPU and bf16 on a GPU; CUDA takes `float16`/`bfloat16`
   only.
@@ -94,9 +99,10 @@ message that names it.
 - `--async-output`: outputs come one step later, with the same tokens (tested on the
   CPU); off on the CPU, where a step is done when its launch returns, so there is nothing
   to overlap ([architecture.md](architecture.md)).
-- `--weights` applies to GGUF models: `quantized` keeps the Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and
-  Q4_K/Q5_K/Q6_K blocks; `auto` is `quantized` on the CPU kernels, else `dense`. What each
-  mode costs and how exact it is: [architecture.md](architecture.md#cpu-kernels-and-weight-modes).
+- `--weights` applies to GGUF models: `quantized` keeps the blocks of
+  {_WEIGHT_FORMATS};
+  `auto` is `quantized` on the CPU kernels, else `dense`. What each mode costs and how
+  exact it is: [architecture.md](architecture.md#cpu-kernels-and-weight-modes).
 """,
     "cache": """\
 `--block-size` on CUDA: 16 or 32. With neither `--num-blocks` nor

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from bench import common, cpu_kernels
-from kernels.cpu import launch as cpu
+from kernels.cpu.library import available
 
 
 def test_cpu_kernels_dry_run(tmp_path, monkeypatch) -> None:
-    if not cpu.available():
+    if not available():
         pytest.skip("the CPU kernels cannot be built here")
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     cpu_kernels.main(["--reps", "1", "--min-ms", "1", "--rows", "1,16", "--skip", "steps"])

@@ -99,7 +99,7 @@ def test_cpu_target_commands_run_in_a_fresh_venv(tmp_path: Path, serve) -> None:
     _sh(build_kernels.replace("/kernels", str(kernel_dir)), env, cwd=ROOT)
     assert sorted(p.name.split("-")[1] for p in kernel_dir.glob("*.so")) == sorted(ISA_LEVELS)
     runtime = {**env, "HEADRACE_KERNEL_DIR": str(kernel_dir), "CXX": "/bin/false"}
-    check = "from kernels.cpu import launch; assert launch.available()"
+    check = "from kernels.cpu import library; assert library.available()"
     _sh(f"python -c '{check}'", runtime, cwd=tmp_path)
     # ENTRYPOINT + a flag: the console script starts and parses its flags.
     _sh("headrace serve --help", env, cwd=tmp_path)

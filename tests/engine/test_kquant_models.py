@@ -20,13 +20,13 @@ import torch
 from compute.core.config import ModelConfig
 from compute.loaders import load_model
 from compute.models.decoder import DecoderModel
-from kernels.cpu import launch as cpu
+from kernels.cpu.library import available
 from kernels.cpu.quant import QuantizedWeight
 from tests.engine import test_loaders
 from tests.kernels.test_cpu_decoder import _caches, _step
 from tests.kernels.test_cpu_kquants import random_blocks
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
+pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernels do not build here")
 
 Q = gguf.GGMLQuantizationType
 CONFIG = ModelConfig(

@@ -17,12 +17,12 @@ from bench import requantize
 from compute.core.config import CacheConfig, DeviceConfig, EngineConfig
 from compute.core.sampling_params import SamplingParams
 from compute.engine import Engine
-from kernels.cpu import launch as cpu
+from kernels.cpu.library import available
 from tests.engine.test_kquant_models import _hf_greedy
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here"),
+    pytest.mark.skipif(not available(), reason="the CPU kernels do not build here"),
 ]
 PROMPTS = [
     "The capital of France is",

@@ -21,7 +21,7 @@ from compute.core.sampling_params import SamplingParams
 from compute.core.sequence import Sequence
 from compute.sampling.penalties import Penalties
 from compute.sampling.sampler import Sampler, truncate
-from kernels.cpu import launch as cpu_kernels
+from kernels.cpu.library import available
 
 VOCAB = 64
 
@@ -53,7 +53,7 @@ ARGMAX = [
     pytest.param(
         True,
         id="kernel",
-        marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels here"),
+        marks=pytest.mark.skipif(not available(), reason="no CPU kernels here"),
     ),
 ]
 

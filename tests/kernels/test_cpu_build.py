@@ -8,7 +8,8 @@ import torch
 from compute.core.config import DeviceConfig
 from compute.device.selection import cpu_execution
 from kernels.cpu import build as cpu_build
-from kernels.cpu import launch as cpu
+from kernels.cpu import library as cpu_library
+from kernels.cpu.library import available
 
 CPU = torch.device("cpu")
 V4 = set(cpu_build.ISA_LEVELS["avx512"][1])
@@ -42,21 +43,21 @@ def test_a_missing_compiler_is_a_build_error_naming_it(tmp_path, monkeypatch):
 @pytest.fixture
 def no_kernels(monkeypatch):
     """The kernels as on a CPU without AVX2: library() raises, available() is False."""
-    cpu._load.cache_clear()
+    cpu_library._load.cache_clear()
     monkeypatch.setattr(cpu_build, "best_isa", lambda flags=None: None)
     yield
-    cpu._load.cache_clear()
+    cpu_library._load.cache_clear()
 
 
 def test_without_kernels_the_engine_runs_dense_on_torch(no_kernels):
-    assert not cpu.available()
+    assert not available()
     assert cpu_execution(DeviceConfig(), CPU, torch.float32) == (False, "dense")
     with pytest.raises(ValueError, match="cpu_kernels: the CPU kernels cannot be built"):
         cpu_execution(DeviceConfig(cpu_kernels="native"), CPU, torch.float32)
 
 
 def test_weights_modes_need_what_they_run_on():
-    if not cpu.available():
+    if not available():
         pytest.skip("CPU kernels cannot be built here")
     assert cpu_execution(DeviceConfig(), CPU, torch.float32) == (True, "quantized")
     int8 = DeviceConfig(weights="quantized-int8")

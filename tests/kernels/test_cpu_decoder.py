@@ -14,10 +14,11 @@ import torch
 from compute.loaders import load_model
 from compute.models.decoder import DecoderModel
 from kernels import reference
-from kernels.cpu import launch as cpu
+from kernels.cpu import decoder as cpu_decoder
+from kernels.cpu.library import available
 from kernels.metadata import AttentionMetadata
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
+pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernels do not build here")
 
 BLOCK = 16
 
@@ -79,13 +80,13 @@ def test_fused_layers_are_bit_identical_to_the_per_op_path(
     model, query_lens, context_lens, kv_dtype, monkeypatch
 ):
     calls = []
-    fused_call = cpu.decoder_layers
+    fused_call = cpu_decoder.decoder_layers
 
     def counted(*args, **kwargs):
         calls.append(1)
         return fused_call(*args, **kwargs)
 
-    monkeypatch.setattr(cpu, "decoder_layers", counted)
+    monkeypatch.setattr(cpu_decoder, "decoder_layers", counted)
     meta, positions, blocks = _step(query_lens, context_lens)
     tokens = int(sum(query_lens))
     g = torch.Generator().manual_seed(tokens)
@@ -111,7 +112,7 @@ def test_the_table_rejects_a_dense_projection(model) -> None:
     layer.o_proj.quantized = None
     try:
         with pytest.raises(ValueError, match="every projection must be quantized"):
-            cpu.decoder_table(model.layers, model.norm, _caches(model, 1, seed=0))
+            cpu_decoder.decoder_table(model.layers, model.norm, _caches(model, 1, seed=0))
     finally:
         layer.o_proj.quantized = saved
 

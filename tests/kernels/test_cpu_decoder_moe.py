@@ -23,12 +23,13 @@ import torch
 from compute.loaders import load_model
 from compute.models.decoder import DecoderModel
 from compute.models.moe import MoE
-from kernels.cpu import launch as cpu
+from kernels.cpu import decoder as cpu_decoder
+from kernels.cpu.library import available
 from kernels.cpu.quant import QuantizedWeight
 from kernels.metadata import AttentionMetadata
 from tests.kernels.test_cpu_decoder import BLOCK, _caches
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
+pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernels do not build here")
 
 LAYERS, INTER = 3, 128
 # family -> (experts, top_k, norm_topk_prob, dense layers, per-head q/k norms)
@@ -132,9 +133,9 @@ def model(request, embedded) -> DecoderModel:
 def test_fused_moe_layers_are_bit_identical_to_the_per_op_path(
     model, query_lens, context_lens, monkeypatch
 ):
-    calls, fused_call = [], cpu.decoder_layers
+    calls, fused_call = [], cpu_decoder.decoder_layers
     monkeypatch.setattr(
-        cpu, "decoder_layers", lambda *a, **k: calls.append(1) or fused_call(*a, **k)
+        cpu_decoder, "decoder_layers", lambda *a, **k: calls.append(1) or fused_call(*a, **k)
     )
     tables, positions, blocks = _batch(query_lens, context_lens)
     g = torch.Generator().manual_seed(sum(query_lens))
@@ -208,4 +209,4 @@ def test_the_table_rejects_experts_without_a_table(embedded) -> None:
     model = moe_model(embedded, "mixtral", int8=False)
     model.layers[2].moe.table = None
     with pytest.raises(ValueError, match="every expert must be quantized"):
-        cpu.decoder_table(model.layers, model.norm, _caches(model, 1, seed=0))
+        cpu_decoder.decoder_table(model.layers, model.norm, _caches(model, 1, seed=0))

@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/csrc/cpu/, launched by kernels/cpu/launch.py) against the reference.
+"""The CPU kernels (kernels/csrc/cpu/, launched by kernels/cpu/) against the reference.
 
 Quantized linears against the dense fp32 product of the same weights (and those weights
 bit-exact against gguf's own dequantizer), attention against kernels/reference.py over
@@ -13,12 +13,23 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.cpu import launch as cpu
+from kernels.cpu import attention as cpu_attention
+from kernels.cpu.attention import KV_DTYPE_CODES, paged_attention, rope_and_cache
+from kernels.cpu.elementwise import (
+    add_rms_norm,
+    argmax_rows,
+    gelu_tanh_mul,
+    head_rms_norm,
+    rms_norm,
+    silu_mul,
+)
+from kernels.cpu.library import SIGNATURES, available, library, use_torch_threads
 from kernels.cpu.quant import FORMATS, QuantizedWeight
+from kernels.cpu.quant_linear import dequantize_rows, quant_linear, quantize_activations
 from kernels.metadata import AttentionMetadata
 from tests.kernels.test_paged_attention_ref import PagedCache
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels cannot be built here")
+pytestmark = pytest.mark.skipif(not available(), reason="CPU kernels cannot be built here")
 
 GGUF_TYPES = {
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
@@ -47,9 +58,9 @@ def test_packed_weights_dequantize_bit_exact_to_gguf(fmt):
     expected = gguf.quants.dequantize(blocks.numpy(), GGUF_TYPES[fmt]).reshape(8, 96)
     weight = QuantizedWeight.from_gguf(fmt, blocks, 96)
     assert torch.equal(weight.dequantize(), torch.from_numpy(np.ascontiguousarray(expected)))
-    assert torch.equal(cpu.dequantize_rows(weight), weight.dequantize())
+    assert torch.equal(dequantize_rows(weight), weight.dequantize())
     rows = torch.tensor([5, 0, 5], dtype=torch.int64)
-    assert torch.equal(cpu.dequantize_rows(weight, rows), weight.dequantize()[rows])
+    assert torch.equal(dequantize_rows(weight, rows), weight.dequantize()[rows])
 
 
 @pytest.mark.parametrize("fmt", REGROUPED)
@@ -60,7 +71,7 @@ def test_quant_linear_matches_dense_product(fmt, n):
     x = torch.randn(n, cols)
     bias = torch.randn(rows)
     expected = x.double() @ weight.dequantize().double().T + bias.double()
-    got = cpu.quant_linear(x, weight, bias)
+    got = quant_linear(x, weight, bias)
     assert got.shape == (n, rows)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -69,21 +80,21 @@ def test_quant_linear_rows_do_not_depend_on_the_batch():
     """Every kernel sums a row's dot product in one order: batch invariance is bitwise."""
     weight = QuantizedWeight.from_gguf("q4_1", random_blocks("q4_1", 64, 576), 576)
     x = torch.randn(40, 576)
-    whole = cpu.quant_linear(x, weight)
+    whole = quant_linear(x, weight)
     for n in (1, 2, 5, 6, 11):
-        assert torch.equal(cpu.quant_linear(x[:n].contiguous(), weight), whole[:n])
+        assert torch.equal(quant_linear(x[:n].contiguous(), weight), whole[:n])
 
 
 def test_quant_linear_checks_its_arguments():
     weight = QuantizedWeight.from_gguf("q8_0", random_blocks("q8_0", 4, 64), 64)
     with pytest.raises(ValueError, match="x must have shape"):
-        cpu.quant_linear(torch.randn(2, 32), weight)
+        quant_linear(torch.randn(2, 32), weight)
     with pytest.raises(ValueError, match="the int8 kernel reads the tiled"):
-        cpu.quant_linear(torch.randn(2, 64), weight, int8=True)
+        quant_linear(torch.randn(2, 64), weight, int8=True)
     with pytest.raises(ValueError, match="the fp32 kernel reads the per-row"):
-        cpu.quant_linear(torch.randn(2, 64), weight.tiled())
+        quant_linear(torch.randn(2, 64), weight.tiled())
     with pytest.raises(ValueError, match="x must be a contiguous CPU torch.float32"):
-        cpu.quant_linear(torch.randn(2, 64, dtype=torch.float64), weight)
+        quant_linear(torch.randn(2, 64, dtype=torch.float64), weight)
 
 
 def test_rms_norm_and_residual_add():
@@ -92,9 +103,9 @@ def test_rms_norm_and_residual_add():
     def norm(v):
         return weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5))
 
-    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-5), norm(x))
+    torch.testing.assert_close(rms_norm(x, weight, 1e-5), norm(x))
     expected_residual = residual + x
-    out = cpu.add_rms_norm(x, residual, weight, 1e-5)
+    out = add_rms_norm(x, residual, weight, 1e-5)
     torch.testing.assert_close(residual, expected_residual)
     torch.testing.assert_close(out, norm(expected_residual))
 
@@ -103,7 +114,7 @@ def test_silu_mul_including_extreme_values():
     gate_up = torch.randn(3, 64) * 4
     gate_up[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 200.0])
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(cpu.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
 
 
 KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
@@ -135,7 +146,7 @@ def test_rope_and_cache_matches_the_model_rotary_and_cache_write(kv_dtype):
     kc = nan_cache(5, 4, kv_heads, dim, kv_dtype)
     vc = torch.zeros_like(kc)
     ref_k, ref_v = kc.clone(), vc.clone()
-    q = cpu.rope_and_cache(qkv, positions, rope.cos, rope.sin, kc, vc, slots, heads)
+    q = rope_and_cache(qkv, positions, rope.cos, rope.sin, kc, vc, slots, heads)
     q_ref, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
     q_ref = rope(q_ref.reshape(tokens, heads, dim), positions)
     k = rope(k.reshape(tokens, kv_heads, dim), positions)
@@ -199,7 +210,7 @@ def test_int8_cache_rows_carry_their_scale_in_dim_bytes(dim):
     one = torch.ones(1, dim)
     kc = torch.zeros(rows, 1, 1, dim, dtype=torch.int8)
     vc = torch.zeros_like(kc)
-    cpu.rope_and_cache(
+    rope_and_cache(
         qkv, torch.zeros(rows, dtype=torch.int64), one, one * 0, kc, vc,
         torch.arange(rows, dtype=torch.int64), 1,
     )  # fmt: skip
@@ -259,7 +270,7 @@ def test_paged_attention_matches_reference(seqs, block_size, kv_dtype):
     query, cache, meta = build_case(seqs, block_size, heads=9, kv_heads=3, kv_dtype=kv_dtype)
     scale = 64**-0.5
     expected = reference.paged_attention(query, cache.key, cache.value, meta, scale)
-    got = cpu.paged_attention(query, cache.key, cache.value, meta, scale)
+    got = paged_attention(query, cache.key, cache.value, meta, scale)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -271,7 +282,7 @@ def test_an_int8_cache_of_any_head_dim_matches_reference(dim):
     seqs = [(1, 40), (5, 37), (20, 100)]
     query, cache, meta = build_case(seqs, 16, heads=4, kv_heads=2, dim=dim, kv_dtype=torch.int8)
     expected = reference.paged_attention(query, cache.key, cache.value, meta, dim**-0.5)
-    got = cpu.paged_attention(query, cache.key, cache.value, meta, dim**-0.5)
+    got = paged_attention(query, cache.key, cache.value, meta, dim**-0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -294,7 +305,7 @@ def test_a_narrow_cache_stays_within_its_bound_of_the_fp32_one(kv_dtype):
     assert torch.equal(reference.from_cache(cache.key).nan_to_num(),
                        reference.from_cache(rounded).nan_to_num())  # fmt: skip
     want = reference.paged_attention(query, exact.key, exact.value, meta, 0.125)
-    for impl in (cpu, reference):
+    for impl in (cpu_attention, reference):
         got = impl.paged_attention(query, cache.key, cache.value, meta, 0.125)
         err = (got - want).abs().max().item()
         assert 0 < err <= KV_BOUNDS[kv_dtype], (impl.__name__, err)
@@ -304,13 +315,13 @@ def test_a_narrow_cache_stays_within_its_bound_of_the_fp32_one(kv_dtype):
 def test_paged_attention_is_batch_invariant_bitwise(kv_dtype):
     seqs = [(1, 50), (4, 30), (1, 200)]
     query, cache, meta = build_case(seqs, 16, heads=4, kv_heads=2, kv_dtype=kv_dtype)
-    together = cpu.paged_attention(query, cache.key, cache.value, meta, 0.125)
+    together = paged_attention(query, cache.key, cache.value, meta, 0.125)
     start = 0
     for i, (qlen, ctx) in enumerate(seqs):
         tables = meta.block_tables[i : i + 1, : -(-ctx // 16)].tolist()
         alone = AttentionMetadata.build([qlen], [ctx], tables, 16)
         q = query[start : start + qlen].contiguous()
-        got = cpu.paged_attention(q, cache.key, cache.value, alone, 0.125)
+        got = paged_attention(q, cache.key, cache.value, alone, 0.125)
         assert torch.equal(got, together[start : start + qlen])
         start += qlen
 
@@ -325,15 +336,15 @@ def test_a_query_gives_the_same_bits_decoded_or_in_a_prefill_chunk(kv_dtype):
         [(ctx, ctx)], 16, heads=heads, kv_heads=kv_heads, kv_dtype=kv_dtype
     )
     table = meta.block_tables[:, : -(-ctx // 16)].tolist()
-    prefill = cpu.paged_attention(query, cache.key, cache.value, meta, 0.125)
+    prefill = paged_attention(query, cache.key, cache.value, meta, 0.125)
     for qlen in (1, 5, 16, 17, 40):  # a suffix of qlen queries as one chunk
         chunk = AttentionMetadata.build([qlen], [ctx], table, 16)
-        got = cpu.paged_attention(query[ctx - qlen :].contiguous(), cache.key, cache.value,
+        got = paged_attention(query[ctx - qlen :].contiguous(), cache.key, cache.value,
                                   chunk, 0.125)  # fmt: skip
         assert torch.equal(got, prefill[ctx - qlen :]), qlen
     for pos in (0, 15, 16, 50, ctx - 1):  # each query decoded alone over its prefix
         alone = AttentionMetadata.build([1], [pos + 1], table, 16)
-        got = cpu.paged_attention(query[pos : pos + 1].contiguous(), cache.key, cache.value,
+        got = paged_attention(query[pos : pos + 1].contiguous(), cache.key, cache.value,
                                   alone, 0.125)  # fmt: skip
         assert torch.equal(got, prefill[pos : pos + 1]), pos
 
@@ -350,9 +361,9 @@ def test_tiled_layout_holds_the_same_weights(fmt, cols, rows):
     assert torch.equal(tiled.codes(), plain.codes())
     assert torch.equal(tiled.scales(), plain.scales())
     assert torch.equal(tiled.dequantize(), plain.dequantize())
-    assert torch.equal(cpu.dequantize_rows(tiled), plain.dequantize())
+    assert torch.equal(dequantize_rows(tiled), plain.dequantize())
     picked = torch.tensor([rows - 1, 0, rows - 1], dtype=torch.int64)
-    assert torch.equal(cpu.dequantize_rows(tiled, picked), plain.dequantize()[picked])
+    assert torch.equal(dequantize_rows(tiled, picked), plain.dequantize()[picked])
     if rows > 1:
         assert not torch.equal(tiled.data[:rows], plain.data), "rows are interleaved"
     with pytest.raises(ValueError, match="tiled layout"):
@@ -369,8 +380,8 @@ def test_int8_linear_is_the_exact_product_of_quantized_activations(fmt, n, cols,
     x = torch.randn(n, cols)
     x[0, :32] = 0.0  # an all-zero block quantizes to zeros, not NaN
     bias = torch.randn(rows)
-    expected = cpu.quantize_activations(x).double() @ weight.dequantize().double().T + bias
-    got = cpu.quant_linear(x, weight, bias, int8=True)
+    expected = quantize_activations(x).double() @ weight.dequantize().double().T + bias
+    got = quant_linear(x, weight, bias, int8=True)
     torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=2e-5)
     # ... and close to the fp32 product: int8 activations cost ~0.4% per element.
     exact = x.double() @ weight.dequantize().double().T + bias
@@ -380,9 +391,9 @@ def test_int8_linear_is_the_exact_product_of_quantized_activations(fmt, n, cols,
 def test_int8_linear_rows_do_not_depend_on_the_batch():
     weight = QuantizedWeight.from_gguf("q4_1", random_blocks("q4_1", 40, 576), 576).tiled()
     x = torch.randn(150, 576)  # more than one 64-row tile of inputs
-    whole = cpu.quant_linear(x, weight, int8=True)
+    whole = quant_linear(x, weight, int8=True)
     for n in (1, 2, 4, 5, 8, 9, 17, 70):
-        assert torch.equal(cpu.quant_linear(x[:n].contiguous(), weight, int8=True), whole[:n])
+        assert torch.equal(quant_linear(x[:n].contiguous(), weight, int8=True), whole[:n])
 
 
 def _isa_library(isa: str):
@@ -392,7 +403,7 @@ def _isa_library(isa: str):
     from kernels.cpu import build as cpu_build
 
     lib = ctypes.CDLL(str(cpu_build.build(isa)))
-    lib.hr_quant_linear_int8.argtypes = cpu._SIGNATURES["hr_quant_linear_int8"]
+    lib.hr_quant_linear_int8.argtypes = SIGNATURES["hr_quant_linear_int8"]
     lib.hr_quant_linear_int8.restype = None
     return lib
 
@@ -439,14 +450,14 @@ def test_paged_attention_gives_the_same_bits_on_every_isa(kv_dtype):
     outs = []
     for isa in runnable:
         lib = _isa_library(isa)
-        lib.hr_paged_attention.argtypes = cpu._SIGNATURES["hr_paged_attention"]
+        lib.hr_paged_attention.argtypes = SIGNATURES["hr_paged_attention"]
         lib.hr_paged_attention.restype = None
         out = torch.empty_like(query)
         lib.hr_paged_attention(
             query.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(),
             meta.block_tables.data_ptr(), meta.context_lens.data_ptr(),
             meta.query_start_loc.data_ptr(), meta.num_seqs, 8, 2, 64, 16,
-            meta.block_tables.shape[1], 0.125, out.data_ptr(), cpu.KV_DTYPE_CODES[kv_dtype],
+            meta.block_tables.shape[1], 0.125, out.data_ptr(), KV_DTYPE_CODES[kv_dtype],
             0, 0.0,
         )  # fmt: skip
         outs.append(out)
@@ -468,7 +479,7 @@ def test_windowed_and_capped_attention_matches_reference(window, softcap, kv_dty
     scale = 64**-0.5
     expected = reference.paged_attention(query, cache.key, cache.value, meta, scale,
                                          window, softcap)  # fmt: skip
-    got = cpu.paged_attention(query, cache.key, cache.value, meta, scale, True, window, softcap)
+    got = paged_attention(query, cache.key, cache.value, meta, scale, True, window, softcap)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     unmasked = reference.paged_attention(query, cache.key, cache.value, meta, scale)
@@ -497,15 +508,15 @@ def test_windowed_query_gives_the_same_bits_decoded_or_in_a_prefill_chunk(window
     query, cache, meta = build_case([(ctx, ctx)], 16, heads=9, kv_heads=3)
     table = meta.block_tables[:, : -(-ctx // 16)].tolist()
     args = (0.125, True, window, softcap)
-    prefill = cpu.paged_attention(query, cache.key, cache.value, meta, *args)
+    prefill = paged_attention(query, cache.key, cache.value, meta, *args)
     for qlen in (1, 5, 16, 17, 40):
         chunk = AttentionMetadata.build([qlen], [ctx], table, 16)
-        got = cpu.paged_attention(query[ctx - qlen :].contiguous(), cache.key, cache.value,
+        got = paged_attention(query[ctx - qlen :].contiguous(), cache.key, cache.value,
                                   chunk, *args)  # fmt: skip
         assert torch.equal(got, prefill[ctx - qlen :]), qlen
     for pos in (0, 4, 15, 16, 50, ctx - 1):
         alone = AttentionMetadata.build([1], [pos + 1], table, 16)
-        got = cpu.paged_attention(query[pos : pos + 1].contiguous(), cache.key, cache.value,
+        got = paged_attention(query[pos : pos + 1].contiguous(), cache.key, cache.value,
                                   alone, *args)  # fmt: skip
         assert torch.equal(got, prefill[pos : pos + 1]), pos
 
@@ -526,7 +537,7 @@ def test_long_context_attention_matches_reference(window, softcap, kv_dtype):
     scale = 64**-0.5
     expected = reference.paged_attention(query, cache.key, cache.value, meta, scale,
                                          window, softcap)  # fmt: skip
-    got = cpu.paged_attention(query, cache.key, cache.value, meta, scale, True, window, softcap)
+    got = paged_attention(query, cache.key, cache.value, meta, scale, True, window, softcap)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -538,15 +549,15 @@ def test_long_context_query_gives_the_same_bits_decoded_or_in_a_prefill_chunk(wi
     query, cache, meta = build_case([(ctx, ctx)], 16, heads=9, kv_heads=3)
     table = meta.block_tables[:, : -(-ctx // 16)].tolist()
     args = (0.125, True, window, softcap)
-    prefill = cpu.paged_attention(query, cache.key, cache.value, meta, *args)
+    prefill = paged_attention(query, cache.key, cache.value, meta, *args)
     for qlen in (1, 7, 17, 300):
         chunk = AttentionMetadata.build([qlen], [ctx], table, 16)
-        got = cpu.paged_attention(query[ctx - qlen :].contiguous(), cache.key, cache.value,
+        got = paged_attention(query[ctx - qlen :].contiguous(), cache.key, cache.value,
                                   chunk, *args)  # fmt: skip
         assert torch.equal(got, prefill[ctx - qlen :]), qlen
     for pos in (PART - 1, PART, PART + 1, 2 * PART + 100, ctx - 1):
         alone = AttentionMetadata.build([1], [pos + 1], table, 16)
-        got = cpu.paged_attention(query[pos : pos + 1].contiguous(), cache.key, cache.value,
+        got = paged_attention(query[pos : pos + 1].contiguous(), cache.key, cache.value,
                                   alone, *args)  # fmt: skip
         assert torch.equal(got, prefill[pos : pos + 1]), pos
 
@@ -566,15 +577,15 @@ def test_split_k_gives_the_bits_of_one_thread_and_of_a_full_batch(window, kv_dty
     few = AttentionMetadata.build([q for q, _ in seqs], [c for _, c in seqs], tables, 16)
     q = query[:rows].contiguous()
     args = (0.125, True, window, None)
-    lib = cpu.library()
+    lib = library()
     try:
         lib.hr_set_num_threads(1)
-        one_thread = cpu.paged_attention(q, cache.key, cache.value, few, *args)
+        one_thread = paged_attention(q, cache.key, cache.value, few, *args)
         lib.hr_set_num_threads(2)
-        split = cpu.paged_attention(q, cache.key, cache.value, few, *args)
-        batch = cpu.paged_attention(query, cache.key, cache.value, meta, *args)
+        split = paged_attention(q, cache.key, cache.value, few, *args)
+        batch = paged_attention(query, cache.key, cache.value, meta, *args)
     finally:
-        cpu.use_torch_threads()
+        use_torch_threads()
     assert not torch.isnan(split).any()
     assert torch.equal(split, one_thread)
     assert torch.equal(split, batch[:rows])
@@ -597,14 +608,14 @@ def test_argmax_rows_gives_torch_argmax(case, rows, vocab):
         x[mask] = float("nan")
     elif case == "inf":
         x[mask] = float("inf")
-    assert torch.equal(cpu.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
 def test_gelu_tanh_mul_matches_torch():
     gate_up = torch.randn(5, 96) * 3
     gate, up = gate_up.chunk(2, dim=-1)
     want = torch.nn.functional.gelu(gate, approximate="tanh") * up
-    torch.testing.assert_close(cpu.gelu_tanh_mul(gate_up), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gelu_tanh_mul(gate_up), want, rtol=1e-5, atol=1e-5)
 
 
 def test_head_rms_norm_normalises_each_head_in_place():
@@ -615,5 +626,5 @@ def test_head_rms_norm_normalises_each_head_in_place():
     want = qkv.clone()
     part = want[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     part.copy_(weight * part * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + 1e-6))
-    cpu.head_rms_norm(qkv, weight, heads * dim, kv_heads, 1e-6)
+    head_rms_norm(qkv, weight, heads * dim, kv_heads, 1e-6)
     torch.testing.assert_close(qkv, want, rtol=1e-5, atol=1e-6)

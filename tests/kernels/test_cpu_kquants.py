@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from kernels.cpu import build as cpu_build
-from kernels.cpu import launch as cpu
+from kernels.cpu.library import SIGNATURES, available, library
 from kernels.cpu.quant import FORMATS, QuantizedWeight
+from kernels.cpu.quant_linear import dequantize_rows, quant_linear, quantize_activations
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels cannot be built here")
+pytestmark = pytest.mark.skipif(not available(), reason="CPU kernels cannot be built here")
 
 GGUF_TYPES = {
     "q5_0": gguf.GGMLQuantizationType.Q5_0,
@@ -69,9 +70,9 @@ def test_weights_dequantize_bit_exact_to_gguf(fmt):
         weight = QuantizedWeight.from_gguf(fmt, blocks, cols)
         assert weight.nbytes == blocks.numel(), "kept as the file's bytes"
         assert torch.equal(weight.dequantize(), expected)
-        assert torch.equal(cpu.dequantize_rows(weight), expected)
+        assert torch.equal(dequantize_rows(weight), expected)
         picked = torch.tensor([5, 0, 5, 6], dtype=torch.int64)
-        assert torch.equal(cpu.dequantize_rows(weight, picked), expected[picked])
+        assert torch.equal(dequantize_rows(weight, picked), expected[picked])
 
 
 @pytest.mark.parametrize("fmt", sorted(GGUF_TYPES))
@@ -85,7 +86,7 @@ def test_linear_matches_the_dense_product(fmt, n):
     x = torch.randn(n, cols)
     bias = torch.randn(rows)
     expected = x.double() @ dense.double().T + bias.double()
-    got = cpu.quant_linear(x, weight, bias)
+    got = quant_linear(x, weight, bias)
     assert got.shape == (n, rows)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
     # Bit-identical to the gguf weights' dense product summed in the kernels' order: the
@@ -114,9 +115,9 @@ def test_rows_do_not_depend_on_the_batch(fmt):
     cols = widths(fmt)[1]
     weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 21, cols), cols)
     x = torch.randn(40, cols)
-    whole = cpu.quant_linear(x, weight)
+    whole = quant_linear(x, weight)
     for n in (1, 2, 5, 6, 11):
-        assert torch.equal(cpu.quant_linear(x[:n].contiguous(), weight), whole[:n])
+        assert torch.equal(quant_linear(x[:n].contiguous(), weight), whole[:n])
 
 
 def test_the_same_bits_on_every_isa():
@@ -134,7 +135,7 @@ def test_the_same_bits_on_every_isa():
             for isa in runnable:
                 lib = ctypes.CDLL(str(cpu_build.build(isa)))
                 fn = lib.hr_quant_linear
-                fn.argtypes, fn.restype = cpu._SIGNATURES["hr_quant_linear"], None
+                fn.argtypes, fn.restype = SIGNATURES["hr_quant_linear"], None
                 out = torch.empty(n, 37)
                 fn(
                     weight.format.code, x.data_ptr(), n, cols, weight.data.data_ptr(), 37,
@@ -167,8 +168,8 @@ def test_stacked_weights_of_different_formats():
     bias = torch.randn(28)
     for n in (1, 3, 9):
         x = torch.randn(n, 512)
-        alone = torch.cat([cpu.quant_linear(x, p) for p in parts], dim=1) + bias
-        assert torch.equal(cpu.quant_linear(x, stacked, bias), alone)
+        alone = torch.cat([quant_linear(x, p) for p in parts], dim=1) + bias
+        assert torch.equal(quant_linear(x, stacked, bias), alone)
     # tiled() tiles part by part: the same stack as tiling the parts, then stacking them.
     tiled = stacked.tiled()
     assert [p.format.name for p in tiled.parts] == ["q4_k", "q4_k", "q6_k", "q8_0"]
@@ -248,8 +249,8 @@ def test_int8_mode_keeps_every_format_within_the_bound(fmt, n):
     assert torch.equal(converted.tiled().dequantize(), plain.dequantize())
     x = torch.randn(n, cols)
     x[0, :32] = 0.0
-    got = cpu.quant_linear(x, converted.tiled(), int8=True)
-    exact = cpu.quant_linear(x, plain)
+    got = quant_linear(x, converted.tiled(), int8=True)
+    exact = quant_linear(x, plain)
     assert ((got - exact).norm() / exact.norm()).item() < 0.02
 
 
@@ -298,9 +299,9 @@ def test_native_int8_tiled_layout_holds_the_same_weights(fmt, width, rows):
         assert all(map(torch.equal, tiled.q6_k_scales(), plain.q6_k_scales()))
     expected = gguf_weights(fmt, blocks, rows, cols)
     assert torch.equal(tiled.dequantize(), expected)
-    assert torch.equal(cpu.dequantize_rows(tiled), expected)
+    assert torch.equal(dequantize_rows(tiled), expected)
     picked = torch.tensor([rows - 1, 0, rows - 1], dtype=torch.int64)
-    assert torch.equal(cpu.dequantize_rows(tiled, picked), expected[picked])
+    assert torch.equal(dequantize_rows(tiled, picked), expected[picked])
     if fmt == "q5_0":
         assert torch.equal(plain.as_q8_0().dequantize(), expected), "Q5_0 -> Q8_0 is exact"
     with pytest.raises(ValueError, match="tiled layout"):
@@ -325,8 +326,8 @@ def test_native_int8_is_the_exact_product_of_quantized_activations(fmt, n, width
     x[0, :32] = 0.0  # an all-zero block quantizes to zeros, not NaN
     bias = torch.randn(rows)
     dense = gguf_weights(fmt, blocks, rows, cols).double()
-    expected = cpu.quantize_activations(x).double() @ dense.T + bias
-    got = cpu.quant_linear(x, weight, bias, int8=True)
+    expected = quantize_activations(x).double() @ dense.T + bias
+    got = quant_linear(x, weight, bias, int8=True)
     scale = expected.abs().max().item()
     # fp32 rounding of sums as large as the outputs (the K-quants' random scales make them
     # ~50)
@@ -341,11 +342,11 @@ def test_native_int8_rows_do_not_depend_on_the_batch(fmt):
     cols = 576 if fmt == "q5_0" else 768
     weight = QuantizedWeight.from_gguf(fmt, random_blocks(fmt, 40, cols), cols).tiled()
     x = torch.randn(150, cols)  # more than one 64-row tile of inputs
-    whole = cpu.quant_linear(x, weight, int8=True)
+    whole = quant_linear(x, weight, int8=True)
     for n in range(1, 71):
-        assert torch.equal(cpu.quant_linear(x[:n].contiguous(), weight, int8=True), whole[:n])
+        assert torch.equal(quant_linear(x[:n].contiguous(), weight, int8=True), whole[:n])
     for j in (0, 9, 64, 149):  # one row alone, wherever it sat in the batch
-        alone = cpu.quant_linear(x[j : j + 1].contiguous(), weight, int8=True)
+        alone = quant_linear(x[j : j + 1].contiguous(), weight, int8=True)
         assert torch.equal(alone, whole[j : j + 1])
 
 
@@ -370,7 +371,7 @@ def test_native_int8_gives_the_same_bits_on_every_isa(fmt):
         for isa in runnable:
             lib = ctypes.CDLL(str(cpu_build.build(isa)))
             fn = lib.hr_quant_linear_int8
-            fn.argtypes, fn.restype = cpu._SIGNATURES["hr_quant_linear_int8"], None
+            fn.argtypes, fn.restype = SIGNATURES["hr_quant_linear_int8"], None
             out = torch.empty(n, 37)
             fn(
                 weight.format.code, x.data_ptr(), n, cols, weight.data.data_ptr(), 37,
@@ -388,7 +389,7 @@ def test_native_int8_gives_the_bits_of_the_16_lane_form(fmt):
     and Q6_K scales inside the madds give the same bits, on every row count (4 at a time,
     then 1-3 in one pass), partial tiles, large activations and a bias. (AVX-512 runs that
     form itself; the ISAs against each other: the test above, where a CPU runs several.)"""
-    lib = cpu.library()
+    lib = library()
     cols = 576 if fmt in ("q5_0", "q5_1", "iq4_nl", "q4_0", "q4_1", "q8_0") else 768
     for rows in (13, 37):
         if fmt == "q8_0":
@@ -442,6 +443,6 @@ def _assert_stack_computes_as_its_parts(stacked: QuantizedWeight, tiled: list) -
         x = torch.randn(n, stacked.cols)
         alone, r = [], 0
         for p in tiled:
-            alone.append(cpu.quant_linear(x, p, bias[r : r + p.rows].contiguous(), int8=True))
+            alone.append(quant_linear(x, p, bias[r : r + p.rows].contiguous(), int8=True))
             r += p.rows
-        assert torch.equal(cpu.quant_linear(x, stacked, bias, int8=True), torch.cat(alone, 1))
+        assert torch.equal(quant_linear(x, stacked, bias, int8=True), torch.cat(alone, 1))

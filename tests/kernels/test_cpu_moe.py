@@ -12,11 +12,11 @@ import torch
 
 from compute.models.decoder import Projection, fuse
 from compute.models.moe import Expert, MoE
-from kernels.cpu import launch as cpu
+from kernels.cpu.library import available
 from kernels.cpu.quant import FORMATS, QuantizedWeight
 from tests.kernels.test_cpu_kquants import HALVES, random_blocks
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
+pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernels do not build here")
 
 H, INTER, EXPERTS, TOP_K = 256, 256, 8, 3
 

@@ -472,10 +472,10 @@ def test_greedy_over_grpc_equals_the_offline_engine(real: RunningServer) -> None
 
 @pytest.mark.slow
 def test_model_info_says_how_the_weights_are_held(real: RunningServer) -> None:
-    from kernels.cpu import launch as cpu
+    from kernels.cpu.library import available
 
     info = real.stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT)
-    assert info.weights == ("quantized" if cpu.available() else "dense")
+    assert info.weights == ("quantized" if available() else "dense")
     assert info.dtype == "float32" and info.device == "cpu"
     assert info.kv_cache_dtype == "float32"  # "auto": the model dtype unless weights are int8
     # On the CPU: no CUDA graphs, synchronous output (both default on for CUDA only).

@@ -1,4 +1,4 @@
-// Shared helpers of the CPU kernels (kernels/cpu/launch.py builds and loads them).
+// Shared helpers of the CPU kernels (kernels/cpu/build.py builds them, library.py loads them).
 //
 // The kernels are written with GCC vector extensions, 16 floats wide: built with
 // -march=x86-64-v4 they become AVX-512, with -march=x86-64-v3 pairs of AVX2 ops, so
@@ -159,6 +159,51 @@ static inline void halves_to_float(const uint8_t* src, int64_t n, float* dst, fl
   }
 }
 
+// The weights' block formats, by the code the launchers pass (kernels/cpu/quant.py FORMATS
+// holds the same codes; tests/kernels/test_cpu_formats.py compares the two tables).
+enum Format : int64_t {
+  kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7,
+  kStacked = 8,  // a table of parts, each in its own format (for_each_part)
+  kIQ4_NL = 9, kIQ4_XS = 10,
+};
+
+// What the kernels need to know of a format (ggml's type_traits, at this scale).
+struct FormatTraits {
+  int64_t block_bytes;   // bytes of one block of block_values weights: in the file, and per
+                         // row (the exact kernel's layout) or 16 rows (the int8 kernel's tiles)
+  int64_t block_values;  // weights per block: 32, or 256 (the K-quants' and IQ4_XS's
+                         // super-blocks)
+  bool stored_min;       // each block of 32 stores its min m: w = d * q + m (Q4_1, Q5_1)
+  // Else, in the int8 kernel, which reads every code unsigned: the block's min over its d
+  // (Q4_0 q - 8, Q5_0 q - 16, Q8_0's signed q read as q + 128); 0 where the kernel has a
+  // rule of its own (the K-quants, IQ4).
+  float min_per_d;
+};
+
+constexpr FormatTraits kFormats[] = {
+    {18, 32, false, -8.0f},    // kQ4_0
+    {20, 32, true, 0.0f},      // kQ4_1
+    {34, 32, false, -128.0f},  // kQ8_0
+    {22, 32, false, -16.0f},   // kQ5_0
+    {24, 32, true, 0.0f},      // kQ5_1
+    {144, 256, false, 0.0f},   // kQ4_K
+    {176, 256, false, 0.0f},   // kQ5_K
+    {210, 256, false, 0.0f},   // kQ6_K
+    {0, 32, false, 0.0f},      // kStacked: no blocks of its own
+    {18, 32, false, 0.0f},     // kIQ4_NL
+    {136, 256, false, 0.0f},   // kIQ4_XS
+};
+static_assert(sizeof kFormats / sizeof kFormats[0] == kIQ4_XS + 1, "a row per Format");
+
+constexpr const FormatTraits& format_traits(int64_t format) { return kFormats[format]; }
+
+// Bytes of a weight row of nb blocks of 32 in `format`, codes and scales (either layout):
+// nb / (block_values / 32) blocks, the division a shift (block_values is 32 or 256).
+constexpr int64_t row_bytes_of(int64_t format, int64_t nb) {
+  const FormatTraits& f = kFormats[format];
+  return (nb >> __builtin_ctzll(static_cast<uint64_t>(f.block_values / 32))) * f.block_bytes;
+}
+
 // llama.cpp's kvalues_iq4nl: the 16 values an IQ4_NL / IQ4_XS index picks.
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
@@ -279,7 +324,7 @@ static inline void for_each_part(const uint8_t* w, Run run) {
   }
 }
 
-// KV cache element types (kernels/cpu.py KV_DTYPE_CODES): the cache holds K and V rounded
+// KV cache element types (kernels/cpu/attention.py KV_DTYPE_CODES): the cache holds K and V rounded
 // once to this type when written; every read widens them back to fp32 (exactly), so the
 // attention arithmetic after the read is the same whatever the type.
 // int8: one row (a token's head, D values, D a multiple of 16) is D int8 codes and nothing

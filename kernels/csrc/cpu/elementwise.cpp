@@ -121,5 +121,5 @@ HR_EXPORT void hr_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* 
 }
 
 // OpenMP's thread count is per calling thread: the engine's step loop runs in its own
-// thread, so it sets the count torch uses before its first kernel (kernels/cpu/launch.py).
+// thread, so it sets the count torch uses before its first kernel (kernels/cpu/library.py).
 HR_EXPORT void hr_set_num_threads(int64_t n) { omp_set_num_threads(static_cast<int>(n)); }

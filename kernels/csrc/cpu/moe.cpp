@@ -17,7 +17,7 @@
 // ascending expert order: a token's output is the same bits alone or in any batch.
 //
 // Experts table: int64 [num_experts, 4]: gate|up weight pointer and block format, down
-// weight pointer and block format (kernels/cpu/launch.py moe_table).
+// weight pointer and block format (kernels/cpu/moe.py moe_table).
 #include <omp.h>
 
 #include "common.h"

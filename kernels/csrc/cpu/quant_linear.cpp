@@ -101,14 +101,14 @@ struct Nibbles {
 };
 
 struct Q4_0 : Nibbles {
-  static constexpr int64_t kBytes = 18;
+  static constexpr int64_t kBytes = kFormats[kQ4_0].block_bytes;
   static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
-    halves_to_float(row + nb * 16, nb, d, m, -8.0f);
+    halves_to_float(row + nb * 16, nb, d, m, kFormats[kQ4_0].min_per_d);
   }
 };
 
 struct Q4_1 : Nibbles {
-  static constexpr int64_t kBytes = 20;
+  static constexpr int64_t kBytes = kFormats[kQ4_1].block_bytes;
   static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
     halves_to_float(row + nb * 16, nb, d);
     halves_to_float(row + nb * 18, nb, m);
@@ -116,7 +116,7 @@ struct Q4_1 : Nibbles {
 };
 
 struct Q8_0 {
-  static constexpr int64_t kBytes = 34, kCodeBytes = 32, kBlocks = 1;
+  static constexpr int64_t kBytes = kFormats[kQ8_0].block_bytes, kCodeBytes = 32, kBlocks = 1;
   static void scales(const uint8_t* row, int64_t nb, float* d, float*) {
     halves_to_float(row + nb * 32, nb, d);
   }
@@ -143,7 +143,10 @@ static inline __m128i high_bits16(uint32_t bits) {
 
 template <int64_t kHeader>  // bytes before the high bits: 2 (d) or 4 (d, m)
 struct Q5 {
-  static constexpr int64_t kBytes = kHeader + 20, kBlocks = 1;
+  static constexpr Format kFormat = kHeader == 4 ? kQ5_1 : kQ5_0;
+  static constexpr int64_t kBytes = kFormats[kFormat].block_bytes, kBlocks = 1;
+  static_assert(kBytes == kHeader + 20, "d (and m), 4 bytes of high bits, 16 of nibbles");
+  static constexpr float kMinPerD = kFormats[kFormat].min_per_d;  // Q5_0: m = -16d
   static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
     int64_t b = 0;
 #ifdef __AVX512F__
@@ -155,12 +158,12 @@ struct Q5 {
       _mm512_storeu_ps(d + b, dv);
       _mm512_storeu_ps(m + b, kHeader == 4 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
                                                  _mm512_srli_epi32(words, 16)))
-                                           : _mm512_mul_ps(dv, _mm512_set1_ps(-16.0f)));
+                                           : _mm512_mul_ps(dv, _mm512_set1_ps(kMinPerD)));
     }
 #endif
     for (; b < nb; ++b) {
       d[b] = half_to_float(row + b * kBytes);
-      m[b] = kHeader == 4 ? half_to_float(row + b * kBytes + 2) : -16.0f * d[b];
+      m[b] = kHeader == 4 ? half_to_float(row + b * kBytes + 2) : kMinPerD * d[b];
     }
   }
   static inline void expand(const uint8_t* row, int64_t b, float d, float m, v16f& lo,
@@ -247,7 +250,9 @@ static inline __m128i bits_at(__m128i v, int shift, int mask) {
 
 template <bool kHighBits>  // Q5_K when true, Q4_K otherwise
 struct QK {
-  static constexpr int64_t kBytes = kHighBits ? 176 : 144, kBlocks = 8;
+  static constexpr Format kFormat = kHighBits ? kQ5_K : kQ4_K;
+  static constexpr int64_t kBytes = kFormats[kFormat].block_bytes;
+  static constexpr int64_t kBlocks = kFormats[kFormat].block_values / 32;
   static constexpr int64_t kCodes = kHighBits ? 48 : 16;  // offset of the nibbles
   static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
     for (int64_t s = 0; s < nb / 8; ++s) {
@@ -299,7 +304,8 @@ using Q4_K = QK<false>;
 using Q5_K = QK<true>;
 
 struct Q6_K {
-  static constexpr int64_t kBytes = 210, kBlocks = 8;
+  static constexpr int64_t kBytes = kFormats[kQ6_K].block_bytes;
+  static constexpr int64_t kBlocks = kFormats[kQ6_K].block_values / 32;
   static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
     for (int64_t s = 0; s < nb / 8; ++s) {
       const uint8_t* sb = row + s * kBytes;
@@ -362,7 +368,7 @@ static inline void iq4_expand(const uint8_t* qs, float d, v16f& lo, v16f& hi) {
 }
 
 struct IQ4_NL {
-  static constexpr int64_t kBytes = 18, kBlocks = 1;
+  static constexpr int64_t kBytes = kFormats[kIQ4_NL].block_bytes, kBlocks = 1;
   static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
     for (int64_t b = 0; b < nb; ++b) {
       d[b] = half_to_float(row + b * kBytes);
@@ -376,7 +382,8 @@ struct IQ4_NL {
 };
 
 struct IQ4_XS {
-  static constexpr int64_t kBytes = 136, kBlocks = 8;
+  static constexpr int64_t kBytes = kFormats[kIQ4_XS].block_bytes;
+  static constexpr int64_t kBlocks = kFormats[kIQ4_XS].block_values / 32;
   static void scales(const uint8_t* row, int64_t nb, float* d, float* m) {
     for (int64_t s = 0; s < nb / 8; ++s) {
       const uint8_t* sb = row + s * kBytes;
@@ -588,9 +595,6 @@ void dequantize_rows(const uint8_t* w, int64_t k, const int64_t* rows, int64_t c
   }
 }
 
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5,
-                        kQ5_K = 6, kQ6_K = 7, kStacked = 8, kIQ4_NL = 9, kIQ4_XS = 10 };
-
 void linear_of(int64_t format, const float* x, int64_t n, int64_t k, const uint8_t* w,
                int64_t m, float* out, int64_t ldo, const float* bias) {
   switch (format) {
@@ -609,7 +613,7 @@ void linear_of(int64_t format, const float* x, int64_t n, int64_t k, const uint8
 
 }  // namespace
 
-// out[n, m] = x[n, k] @ W[m, k]^T (+ bias[m]); W in `format`'s packed rows; k % 32 == 0
+// out[n, m] = x[n, k] @ W[m, k]^T (+ bias[m]); W in `format`'s (Format) packed rows; k % 32 == 0
 // (k % 256 == 0 for the K-quants), or (kStacked) a table of parts.
 HR_EXPORT void hr_quant_linear(int64_t format, const float* x, int64_t n, int64_t k,
                                const uint8_t* w, int64_t m, float* out, const float* bias) {
@@ -632,4 +636,15 @@ HR_EXPORT void hr_dequantize_rows(int64_t format, const uint8_t* w, int64_t k,
   if (format == kIQ4_NL) return dequantize_rows<IQ4_NL>(w, k, rows, count, out);
   if (format == kIQ4_XS) return dequantize_rows<IQ4_XS>(w, k, rows, count, out);
   return dequantize_rows<Q8_0>(w, k, rows, count, out);
+}
+
+// The traits of every Format, for the test that kernels/cpu/quant.py's FORMATS agree: the
+// number of formats, then per format (by code) block_bytes, block_values, stored_min.
+HR_EXPORT void hr_format_traits(int64_t* out) {
+  *out++ = sizeof kFormats / sizeof kFormats[0];
+  for (const FormatTraits& f : kFormats) {
+    *out++ = f.block_bytes;
+    *out++ = f.block_values;
+    *out++ = f.stored_min;
+  }
 }

@@ -129,17 +129,6 @@ inline int64_t codes_at(int64_t j, int64_t b, int t, int64_t nb) {
   return (j / kGroupRows * nb + b) * 32 * kGroupRows + 4 * kGroupRows * t + 4 * (j % kGroupRows);
 }
 
-// Bytes of one weight row of `format` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6
-// Q5_K, 7 Q6_K, 9 IQ4_NL, 10 IQ4_XS), codes and scales; a tile is 16 of them.
-inline int64_t row_bytes_of(int64_t format, int64_t nb) {
-  if (format == 7) return nb / 8 * 210;  // Q6_K: super-blocks of 256
-  if (format == 5) return nb / 8 * 144;  // Q4_K
-  if (format == 6) return nb / 8 * 176;  // Q5_K
-  if (format == 10) return nb / 8 * 136;  // IQ4_XS
-  if (format == 9) return nb * 18;        // IQ4_NL: Q4_0's
-  return nb * (format == 4 ? 24 : format == 3 ? 22 : format == 2 ? 34 : format == 1 ? 20 : 18);
-}
-
 // One block of 32 activations: amax over |x|, codes nearbyint(x * 127 / amax) (round half
 // to even), their sums. The AVX-512 and AVX2 paths compute the same bits as the scalar one:
 // max is exact in any order, each product is one rounding, cvtps rounds as nearbyint does.
@@ -504,8 +493,8 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
               bool prefetch) {
   const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
   const uint8_t* mh = dh + nb * kTile * 2;
-  // Q4_0, Q5_0, Q8_0 (Q4_1 and Q5_1 store m)
-  const float min_per_d = format == 0 ? -8.0f : format == 3 ? -16.0f : -128.0f;
+  const bool stored_min = format_traits(format).stored_min;  // Q4_1, Q5_1: m, else m / d
+  const float min_per_d = format_traits(format).min_per_d;
   const int64_t share = row_bytes_of(format, nb) * kTile / nb;  // bytes of the tile per block
   v16f acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = splat(0.0f);
@@ -588,7 +577,7 @@ void tile_dot(const uint8_t* tile, int64_t nb, int64_t format, const QuantizedRo
       for (int j = 0; j < NR; ++j)
         s[j] = dot4(s[j], u[t], load4(xr.q.data() + codes_at(j0 + j, b, t, nb)), C::kWide);
     const v16f d = halves16(dh + 32 * b);
-    const v16f m = format == 1 || format == 4 ? halves16(mh + 32 * b) : d * min_per_d;
+    const v16f m = stored_min ? halves16(mh + 32 * b) : d * min_per_d;
     for (int j = 0; j < NR; ++j) {
       const int64_t at = unit_of(j0 + j, b, nb);
       acc[j] = fma16(to_float(s[j]), d * xr.dx[at], acc[j]);
@@ -714,7 +703,8 @@ void tile_dot_halves(const uint8_t* tile, int64_t nb, int64_t format, const Quan
                      const float* bias, bool prefetch, int h0) {
   const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
   const uint8_t* mh = dh + nb * kTile * 2;
-  const float min_per_d = format == 0 ? -8.0f : format == 3 ? -16.0f : -128.0f;
+  const bool stored_min = format_traits(format).stored_min;
+  const float min_per_d = format_traits(format).min_per_d;
   const int64_t share = row_bytes_of(format, nb) * kTile / nb;
   const int64_t g0 = j0 / kGroupRows * nb * kGroupRows, slot = j0 % kGroupRows;
   const int8_t* xq0 = xr.q.data() + g0 * 32 + 4 * slot;  // + block b: 32 kGroupRows b
@@ -806,9 +796,8 @@ void tile_dot_halves(const uint8_t* tile, int64_t nb, int64_t format, const Quan
         continue;
       }
       const __m256 d = halves8(dh + 32 * b + 16 * h);
-      const __m256 m = format == 1 || format == 4
-                           ? halves8(mh + 32 * b + 16 * h)
-                           : _mm256_mul_ps(d, _mm256_set1_ps(min_per_d));
+      const __m256 m = stored_min ? halves8(mh + 32 * b + 16 * h)
+                                  : _mm256_mul_ps(d, _mm256_set1_ps(min_per_d));
       for (int j = 0; j < NR; ++j) {
         a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[j]), _mm256_mul_ps(d, dx(j)), a[j]);
         a[j] = _mm256_fmadd_ps(m, dxs(j), a[j]);
@@ -943,7 +932,7 @@ void for_each_tiled_row(int64_t format, const uint8_t* w, int64_t k, const int64
 
 void dequantize_tiled_q6k(const uint8_t* w, int64_t k, const int64_t* rows, int64_t count,
                           float* out) {
-  for_each_tiled_row(7, w, k, rows, count, out,
+  for_each_tiled_row(kQ6_K, w, k, rows, count, out,
                      [](const uint8_t* tile, int64_t i, int64_t nb, float* o) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(tile + nb * kTile * Q6K::kBlockBytes);
     const uint8_t* dh = tile + nb * kTile * (Q6K::kBlockBytes + 2);
@@ -989,7 +978,7 @@ void dequantize_tiled_iq4(int64_t format, const uint8_t* w, int64_t k, const int
     const uint8_t* dh = tile + nb * kTile * IQ4::kBlockBytes;
     for (int64_t b = 0; b < nb; ++b) {
       float scale;  // as gguf computes it: d, or d * (ls - 32) (exact in fp32)
-      if (format == 10) {
+      if (format == kIQ4_XS) {
         const uint8_t* sb = dh + 128 * (b / 8);
         const int j = static_cast<int>(b % 8);
         const int ls = ((sb[16 * (j / 2) + i] >> (4 * (j % 2))) & 15) |
@@ -1012,16 +1001,16 @@ void dequantize_tiled(int64_t format, const uint8_t* w, int64_t k, const int64_t
     const uint8_t* dh = tile + nb * kTile * C::kBlockBytes;
     for (int64_t b = 0; b < nb; ++b) {
       const float d = half_to_float(dh + 2 * (b * kTile + i));
-      const float mn = format == 1 || format == 4
+      const float mn = format_traits(format).stored_min
                            ? half_to_float(dh + 2 * (nb * kTile + b * kTile + i))
                            : 0.0f;
       for (int j = 0; j < 32; ++j) {
         const int q = code_at<C>(tile, i, b, j);
         // As gguf computes them: d * q (+ m: Q4_1, Q5_1), Q4_0 as d * (q - 8), Q5_0 as
         // d * (q - 16); all exact in fp32.
-        o[b * 32 + j] = format == 0   ? d * static_cast<float>(q - 8)
-                        : format == 3 ? d * static_cast<float>(q - 16)
-                                      : d * static_cast<float>(q) + mn;
+        o[b * 32 + j] = format == kQ4_0   ? d * static_cast<float>(q - 8)
+                        : format == kQ5_0 ? d * static_cast<float>(q - 16)
+                                          : d * static_cast<float>(q) + mn;
       }
     }
   });
@@ -1034,14 +1023,16 @@ void linear_of(int64_t format, const QuantizedRows& xr, int64_t n, int64_t k, co
   auto run = [&](auto kind) {
     linear<decltype(kind), kTile16>(format, xr, n, k, w, m, out, ldo, bias, rb);
   };
-  if (format == 2) return run(Q8{});
-  if (format == 3 || format == 4) return run(Q5{});
-  if (format == 7) return run(Q6K{});
-  if (format == 5) return run(Q4K{});
-  if (format == 6) return run(Q5K{});
-  if (format == 9) return run(IQ4{});
-  if (format == 10) return run(IQ4XS{});
-  run(Q4{});
+  switch (format) {
+    case kQ8_0: return run(Q8{});
+    case kQ5_0: case kQ5_1: return run(Q5{});
+    case kQ6_K: return run(Q6K{});
+    case kQ4_K: return run(Q4K{});
+    case kQ5_K: return run(Q5K{});
+    case kIQ4_NL: return run(IQ4{});
+    case kIQ4_XS: return run(IQ4XS{});
+    default: return run(Q4{});  // kQ4_0, kQ4_1
+  }
 }
 
 template <bool kTile16>
@@ -1049,7 +1040,7 @@ void quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k, con
                        int64_t m, float* out, const float* bias) {
   QuantizedRows xr;
   quantize_rows(x, n, k, xr);
-  if (format != 8) return linear_of<kTile16>(format, xr, n, k, w, m, out, m, bias);
+  if (format != kStacked) return linear_of<kTile16>(format, xr, n, k, w, m, out, m, bias);
   // A stack of tiled parts (Q8_0 v rows beside Q5_0 q and k), as hr_quant_linear's.
   for_each_part(w, [&](int64_t f, const uint8_t* weight, int64_t rows, int64_t r) {
     linear_of<kTile16>(f, xr, n, k, weight, rows, out + r, m, bias ? bias + r : nullptr);
@@ -1058,10 +1049,8 @@ void quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k, con
 
 }  // namespace
 
-// out[n, m] = q8(x[n, k]) @ W[m, k]^T (+ bias[m]); W in the tiled layout of `format`
-// (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6 Q5_K, 7 Q6_K, 9 IQ4_NL, 10 IQ4_XS;
-// ceil(m / 16) tiles), or (8) a table of tiled parts; k % 32 == 0 (K-quants and IQ4_XS:
-// k % 256 == 0).
+// out[n, m] = q8(x[n, k]) @ W[m, k]^T (+ bias[m]); W in the tiled layout of `format` (Format;
+// ceil(m / 16) tiles), or (kStacked) a table of tiled parts; k % 32 == 0 (k % block_values).
 HR_EXPORT void hr_quant_linear_int8(int64_t format, const float* x, int64_t n, int64_t k,
                                     const uint8_t* w, int64_t m, float* out, const float* bias) {
   quant_linear_int8<false>(format, x, n, k, w, m, out, bias);
@@ -1079,11 +1068,13 @@ HR_EXPORT void hr_quant_linear_int8_tile16(int64_t format, const float* x, int64
 // out[i, :] = W[rows[i], :] in fp32 for W in the tiled layout (rows == nullptr: all).
 HR_EXPORT void hr_dequantize_tiled(int64_t format, const uint8_t* w, int64_t k,
                                    const int64_t* rows, int64_t count, float* out) {
-  if (format == 2) return dequantize_tiled<Q8>(format, w, k, rows, count, out);
-  if (format == 3 || format == 4) return dequantize_tiled<Q5>(format, w, k, rows, count, out);
-  if (format == 7) return dequantize_tiled_q6k(w, k, rows, count, out);
-  if (format == 5) return dequantize_tiled_qk<Q4K>(format, w, k, rows, count, out);
-  if (format == 6) return dequantize_tiled_qk<Q5K>(format, w, k, rows, count, out);
-  if (format == 9 || format == 10) return dequantize_tiled_iq4(format, w, k, rows, count, out);
-  dequantize_tiled<Q4>(format, w, k, rows, count, out);
+  switch (format) {
+    case kQ8_0: return dequantize_tiled<Q8>(format, w, k, rows, count, out);
+    case kQ5_0: case kQ5_1: return dequantize_tiled<Q5>(format, w, k, rows, count, out);
+    case kQ6_K: return dequantize_tiled_q6k(w, k, rows, count, out);
+    case kQ4_K: return dequantize_tiled_qk<Q4K>(format, w, k, rows, count, out);
+    case kQ5_K: return dequantize_tiled_qk<Q5K>(format, w, k, rows, count, out);
+    case kIQ4_NL: case kIQ4_XS: return dequantize_tiled_iq4(format, w, k, rows, count, out);
+    default: return dequantize_tiled<Q4>(format, w, k, rows, count, out);  // kQ4_0, kQ4_1
+  }
 }
