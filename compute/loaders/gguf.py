@@ -3,8 +3,8 @@
 Metadata gives the ModelConfig and the tokenizer; each tensor is renamed from llama.cpp's names
 to HF Llama names and either dequantized with `gguf.quants.dequantize` (vectorised numpy, any
 quantization the package supports) and cast to the requested dtype and device, or, when asked
-(``quantized=True``) and its format is one the CPU kernels read (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
-Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), kept in its blocks as a kernels.cpu.quant.QuantizedWeight.
+(``quantized=True``) and its format is one the CPU kernels read (the format table,
+kernels/cpu/quant.py ``FORMATS``), kept in its blocks as a kernels.cpu.quant.QuantizedWeight.
 Matrices of any other quantized type load dequantized, named in one warning. The family named
 by `general.architecture` says, as data, which deltas to read (compute/models/families.py).
 """
