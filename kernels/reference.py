@@ -126,6 +126,11 @@ def reshape_and_cache(
     flat_v.index_copy_(0, slots[keep], to_cache(value[keep], value_cache.dtype))
 
 
+def _check_gqa(num_heads: int, num_kv_heads: int) -> None:
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+
+
 def paged_attention(
     query: Tensor,
     key_cache: Tensor,
@@ -143,9 +148,7 @@ def paged_attention(
     ``softcap``: scores become tanh(s / softcap) * softcap before the mask (Gemma 2), as
     transformers' eager attention computes them.
     """
-    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    _check_gqa(query.shape[1], key_cache.shape[2])
     starts = _host_starts(meta.query_lens)
     decode = [i for i, qlen in enumerate(meta.query_lens) if qlen == 1]
     groups = _decode_groups(decode, meta.context_lens_host)
@@ -157,9 +160,8 @@ def paged_attention(
     out = torch.empty_like(query) if covered else torch.zeros_like(query)
     for group in groups:
         rows = torch.tensor([starts[i] for i in group], dtype=torch.int64, device=query.device)
-        decode_query = query.index_select(0, rows)
         attended = _decode_attention(
-            decode_query, key_cache, value_cache, meta, group, scale, *extra
+            query.index_select(0, rows), key_cache, value_cache, meta, group, scale, *extra
         )
         out.index_copy_(0, rows, attended)
     for i, qlen in enumerate(meta.query_lens):
