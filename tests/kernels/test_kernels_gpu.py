@@ -158,15 +158,22 @@ def run_and_check(
 def _poison_before_windows(batch: Batch, window: int) -> None:
     """NaN into the K/V slots of each real sequence before its first query's window (the
     keys no query of the step sees), whole blocks and the start of the first visible one."""
+    slots = _slots_before_windows(batch, window).to(batch.key_cache.device)
+    for cache in (batch.key_cache, batch.value_cache):  # one fill each, not one per slot
+        cache.view(-1, *cache.shape[2:]).index_fill_(0, slots, float("nan"))
+
+
+def _slots_before_windows(batch: Batch, window: int) -> Tensor:
+    """Flat cache slots (block * block_size + offset) of the positions before each real
+    sequence's first query's window."""
     block_size = batch.key_cache.shape[1]
-    tables = batch.meta.block_tables.tolist()
+    tables = batch.meta.block_tables.cpu().long()
+    slots = [torch.zeros(0, dtype=torch.int64)]
     for i in range(batch.real_seqs):
         qlen, ctx = batch.meta.query_lens[i], batch.meta.context_lens_host[i]
-        first_visible = max(0, ctx - qlen - window + 1)
-        for pos in range(first_visible):
-            block, slot = tables[i][pos // block_size], pos % block_size
-            batch.key_cache[block, slot] = float("nan")
-            batch.value_cache[block, slot] = float("nan")
+        positions = torch.arange(max(0, ctx - qlen - window + 1))
+        slots.append(tables[i, positions // block_size] * block_size + positions % block_size)
+    return torch.cat(slots)
 
 
 def _assert_close(got: Tensor, expected: Tensor, batch: Batch) -> None:
