@@ -161,6 +161,22 @@ def test_kernels_match_the_reference_attention_on_the_gpu(cpu_weights, monkeypat
     assert_diverge_only_at_near_ties(kernels, torch_path, "bf16, kernels vs torch attention")
 
 
+def test_sdpa_prefill_matches_the_reference_attention_on_the_gpu(
+    cpu_weights, monkeypatch, launch_counts
+):
+    """The engine with prefills through torch SDPA (kernels/cuda/prefill_sdpa.py) and
+    decodes through the CuPy kernel, against the torch reference attention."""
+    batch = prompts(5)
+    monkeypatch.setattr(cuda, "prefill_variant", "sdpa")
+    sdpa = greedy_runs(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
+    assert not any(name.startswith("paged_attention_prefill_") for name in launch_counts)
+    assert launch_counts[cuda.decode_kernel_name("bf16", 64, 16)] > 0
+    monkeypatch.setattr(ops, "paged_attention", reference.paged_attention)
+    monkeypatch.setattr(ops, "reshape_and_cache", reference.reshape_and_cache)
+    torch_path = greedy_runs(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
+    assert_diverge_only_at_near_ties(sdpa, torch_path, "bf16, SDPA prefill vs torch attention")
+
+
 def gemma2_attention(loaded):
     """The same weights with Gemma 2's attention deltas: sliding and full layers in turn
     (a 48-token window, shorter than most prompts) and soft-capped scores."""

@@ -356,6 +356,24 @@ def test_prefill_gpu(dtype, head_dim, block_size, group):
 
 
 @on_gpu
+@pytest.mark.parametrize("window", [None, 100], ids=["full", "w100"])
+@pytest.mark.parametrize(
+    "dtype,head_dim,group",
+    [(torch.bfloat16, 64, 3), (torch.float16, 128, 8), (torch.bfloat16, 128, 1)],
+    ids=["bf16-d64-g3", "f16-d128-g8", "bf16-d128-g1"],
+)
+def test_prefill_sdpa_gpu(dtype, head_dim, group, window, monkeypatch):
+    """Prefill through torch SDPA over the gathered pages (kernels/cuda/prefill_sdpa.py:
+    flash for whole prompts, the memory-efficient kernel for masked chunks), decode rows
+    through the CuPy kernel, against the reference (tests/kernels/test_prefill_sdpa.py on
+    the CPU)."""
+    monkeypatch.setattr(cuda, "prefill_variant", "sdpa")
+    kwargs = dict(group=group, head_dim=head_dim, block_size=16, dtype=dtype, device="cuda")
+    run_and_check(make_batch(PREFILL_SEQS + [(3, 200)], **kwargs, extra_rows=3), None, window)
+    run_and_check(make_batch(MIXED, **kwargs, padding=3), None, window)
+
+
+@on_gpu
 @pytest.mark.parametrize("dtype,head_dim,block_size,group", CONFIGS, ids=CONFIG_IDS)
 def test_mixed_batch_gpu(dtype, head_dim, block_size, group, decode_variant):
     check_mixed("cuda", dtype, head_dim, block_size, group)
