@@ -275,3 +275,33 @@ def test_the_kernel_benchmark_runs_each_decode_kernel_and_restores_the_engines()
     with pytest.raises(RuntimeError):
         cuda_kernels.with_variant("one-pass", broken)()
     assert cuda.decode_variant == engine_default
+
+
+def test_the_kernel_benchmark_names_the_kernels_a_call_launched(monkeypatch) -> None:
+    """`kernels` of every variant (and so `kernel`) is what the launcher was asked to run."""
+    from bench.gpu import cuda_kernels
+    from kernels.cuda import launch as cuda
+
+    monkeypatch.setattr(cuda, "_launch", lambda device, file, name, *rest: None)
+    launcher = cuda._launch
+
+    def call():
+        cuda._launch(None, "paged_attention_decode.cu", "paged_attention_decode_f16_d64_b16")
+        cuda._launch(None, "paged_attention_decode.cu", "paged_attention_decode_reduce_f16_d64")
+
+    assert cuda_kernels.launched_kernels(call) == [
+        "paged_attention_decode_f16_d64_b16", "paged_attention_decode_reduce_f16_d64",
+    ]  # fmt: skip
+    assert cuda._launch is launcher
+    sdpa = cuda_kernels.with_variant("sdpa", lambda: cuda.prefill_variant, "prefill_variant")
+    assert sdpa() == "sdpa" and cuda.prefill_variant == "cupy"
+
+
+def test_the_prefill_cases_and_their_flops() -> None:
+    from bench.gpu import cuda_kernels
+
+    assert cuda_kernels.parse_prefill("4x512/4096") == (4, 512, 4096)
+    with pytest.raises(ValueError, match="2 <= Q <= C"):
+        cuda_kernels.parse_prefill("1x1/10")
+    # 2 queries over 3 keys: the first sees 2 keys, the second 3: 5 pairs of 4 x 9 x 64 FLOPs.
+    assert cuda_kernels.prefill_flops((9, 3, 64), 1, 2, 3) == 5 * 4 * 9 * 64
