@@ -57,7 +57,7 @@ gpu-wheels: setup ## download the wheels gpu-check installs on a GPU machine wit
 		--implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
 	@du -sh $(GPU_WHEELS_DIR); ls $(GPU_WHEELS_DIR)
 
-gpu-check: ## on a GPU machine: one device call's steps (ARGS=call1|call2|call3, bench/README.md) -> $OUT
+gpu-check: ## on a GPU machine: the one device call (ARGS=steps to rerun; bench/README.md "GPU") -> $OUT
 	bash bench/gpu/gpu_check.sh $(ARGS)
 
 # HAProxy for tests/deploy/test_loadbalancer.py, from Debian; only root can install it (CI runs

@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA), float16, ...")
     p.add_argument("--kv-cache-memory-gib", type=float, default=24.0, help="KV memory")
     p.add_argument("--name", default="cuda-graphs", help="result file prefix in bench/results/")
+    p.add_argument("--no-png", action="store_true", help="write the JSON only (replot later)")
     return p.parse_args(argv)
 
 
@@ -141,6 +142,10 @@ def step_ms(rows: list[dict], shape: str, graphs: bool, batch: int, context: int
     return None
 
 
+def plot_title(gpu: str) -> str:
+    return f"decode step, eager vs CUDA graphs, {gpu}"
+
+
 def plot(rows: list[dict], shapes: list[str], stamp: str, name: str, title: str) -> None:
     fig, axes = common.new_figure(len(shapes))
     for ax, shape in zip(axes, shapes, strict=True):
@@ -198,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         # the shapes it finished.
         result = payload(rows, args, gpu)
         path = common.write_result(name, result, stamp, settings=vars(args))
-        done = result["shapes_done"]
-        plot(rows, done, stamp, name, f"decode step, eager vs CUDA graphs, {gpu}")
+        if not args.no_png:
+            plot(rows, result["shapes_done"], stamp, name, plot_title(gpu))
         print(f"wrote {path} ({shape}); speedup_batch1 {result['speedup_batch1']}, "
               f"single stream {result['single_stream_tok_s']}", flush=True)  # fmt: skip
 

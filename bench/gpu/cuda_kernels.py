@@ -21,15 +21,25 @@ Llama-8B-like one (32/8, dim 128), block size 16, fp16, scattered block tables:
   block tables; timed as gather + SDPA and as SDPA alone on gathered K/V.
 - Each decode kernel (--variants, kernels/cuda/launch.py DECODE_VARIANTS: the two-pass
   kernel the engine uses and the one-pass one) on the same case, alternated call by call
-  under the same flush: `kernel` is the engine's, `variants` has each with its max
-  difference from it. The JSON is rewritten after every case, so a run killed at its
-  time limit keeps the cases done.
+  under the same flush: `variants` has each with the names of the CUDA kernels one call
+  launched (`kernels`, recorded at the launcher) and its max difference from the first;
+  `kernel` is the engine's variant (launch.decode_variant) when it was timed, else the
+  first, with what it launched; `fastest` names the quicker variant.
+- Prefill (--prefill-seqs, off with --no-prefill): the CuPy prefill kernel (fp32 on CUDA
+  cores) against torch SDPA over the gathered pages (kernels/cuda/prefill_sdpa.py, tensor
+  cores), alternated, per shape: whole prompts (SDPA's flash kernel) and chunks over a
+  cached prefix (its memory-efficient kernel); µs, TFLOP/s counting the visible
+  query-key pairs (4 x heads x head dim FLOPs each), the kernels launched, and the max
+  difference between the two.
+The JSON is rewritten after every case, so a run killed at its time limit keeps the
+cases done.
 
 Run by hand on a GPU machine (exits with a message elsewhere):
 
-    python bench/kernels.py [--iters 50] [--batches 1 8 64 256] [--contexts 512 2048 8192]
+    python -m bench.gpu.cuda_kernels [--iters 50] [--batches 1 8 64 256] [--contexts 512 2048 8192]
 
-Writes bench/results/kernels-<gpu>-<timestamp>.json and a PNG beside it.
+Writes bench/results/kernels-<gpu>-<timestamp>.json and a PNG beside it (--no-png: the
+JSON only; python -m bench.gpu.replot draws it later).
 """
 
 from __future__ import annotations
@@ -82,6 +92,11 @@ def parse_args() -> argparse.Namespace:
         "--variants", nargs="+", default=list(cuda.DECODE_VARIANTS), choices=cuda.DECODE_VARIANTS,
         help="decode kernels to time on every case (the first is reported as `kernel`)",
     )  # fmt: skip
+    parser.add_argument(
+        "--prefill-seqs", nargs="+", default=["4x2048/2048", "4x512/4096"],
+        help="prefill cases, each NxQ/C: N sequences of Q query tokens over C context tokens",
+    )  # fmt: skip
+    parser.add_argument("--no-prefill", action="store_true", help="skip the prefill cases")
     parser.add_argument("--no-png", action="store_true")
     return parser.parse_args()
 
@@ -122,7 +137,7 @@ def gpu_facts() -> dict:
 # ----------------------------------------------------------------------------- one case
 
 
-def make_case(shape: tuple[int, int, int], batch: int, context: int) -> dict:
+def make_case(shape: tuple[int, int, int], batch: int, context: int, query_len: int = 1) -> dict:
     """Random fp16 query and caches; each sequence's blocks scattered over the cache."""
     heads, kv_heads, head_dim = shape
     per_seq = math.ceil(context / BLOCK_SIZE)
@@ -131,9 +146,9 @@ def make_case(shape: tuple[int, int, int], batch: int, context: int) -> dict:
     value_cache = torch.randn(cache_shape, dtype=DTYPE, device="cuda")
     order = torch.randperm(batch * per_seq).view(batch, per_seq)
     meta = AttentionMetadata.build(
-        [1] * batch, [context] * batch, order.tolist(), BLOCK_SIZE, device="cuda"
+        [query_len] * batch, [context] * batch, order.tolist(), BLOCK_SIZE, device="cuda"
     )
-    query = torch.randn(batch, heads, head_dim, dtype=DTYPE, device="cuda")
+    query = torch.randn(batch * query_len, heads, head_dim, dtype=DTYPE, device="cuda")
     return dict(query=query, key_cache=key_cache, value_cache=value_cache, meta=meta)
 
 
@@ -183,17 +198,39 @@ def bandwidth(nbytes: int, micros: float, peak: float | None) -> dict:
     return {"us": round(micros, 2), "gb_per_s": round(rate / 1e9, 1), "percent_of_peak": percent}
 
 
-def with_variant(variant: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """fn run with kernels/cuda/launch.py's decode kernel set to `variant`."""
+def with_variant(
+    variant: str, fn: Callable[[], torch.Tensor], setting: str = "decode_variant"
+) -> Callable[[], torch.Tensor]:
+    """fn run with kernels/cuda/launch.py's `setting` (decode_variant, prefill_variant) set
+    to `variant`, put back after."""
 
     def run() -> torch.Tensor:
-        before, cuda.decode_variant = cuda.decode_variant, variant
+        before = getattr(cuda, setting)
+        setattr(cuda, setting, variant)
         try:
             return fn()
         finally:
-            cuda.decode_variant = before
+            setattr(cuda, setting, before)
 
     return run
+
+
+def launched_kernels(fn: Callable[[], object]) -> list[str]:
+    """The CUDA kernels one call of fn launches, by name, in order (recorded at
+    kernels/cuda/launch.py's launcher)."""
+    names: list[str] = []
+    real = cuda._launch
+
+    def record(device, file, name, *rest):
+        names.append(name)
+        return real(device, file, name, *rest)
+
+    cuda._launch = record
+    try:
+        fn()
+    finally:
+        cuda._launch = real
+    return names
 
 
 def time_variants(
@@ -237,15 +274,15 @@ def run_case(name, shape, batch, context, args, flush, peak) -> dict:
     result["variants"] = {
         v: {
             **bandwidth(nbytes, micros[v], peak),
+            "kernels": launched_kernels(calls[v]),
             "max_abs_diff_vs_first": (calls[v]().float() - reference).abs().max().item(),
         }
         for v in args.variants
     }
-    result["kernel"] = {
-        "variant": args.variants[0],
-        **bandwidth(nbytes, micros[args.variants[0]], peak),
-    }
-    result["kernel"]["call_us"] = round(time_wall(ours, args.iters), 2)
+    result["fastest"] = min(args.variants, key=micros.__getitem__)
+    engine = cuda.decode_variant if cuda.decode_variant in args.variants else args.variants[0]
+    result["kernel"] = {"variant": engine, **result["variants"][engine]}
+    result["kernel"]["call_us"] = round(time_wall(calls[engine], args.iters), 2)
     if not args.no_baseline:
         result.update(run_baseline(case, shape, context, args, flush, peak, nbytes, ours()))
     return result
@@ -271,6 +308,48 @@ def run_baseline(case, shape, context, args, flush, peak, nbytes, ours) -> dict:
         "sdpa_alone": bandwidth(nbytes, time_gpu(alone, args.iters, args.warmup, flush), peak),
         "max_abs_diff_vs_sdpa": max_diff,
     }
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def parse_prefill(text: str) -> tuple[int, int, int]:
+    """ "NxQ/C" -> (N sequences, Q query tokens, C context tokens), Q <= C."""
+    count, rest = text.split("x")
+    query_len, context = rest.split("/")
+    n, q, c = int(count), int(query_len), int(context)
+    if not (n > 0 and 2 <= q <= c):
+        raise ValueError(f"--prefill-seqs {text}: need N > 0 and 2 <= Q <= C")
+    return n, q, c
+
+
+def prefill_flops(shape: tuple[int, int, int], count: int, query_len: int, context: int) -> int:
+    """4 x heads x head dim FLOPs per visible query-key pair (QK^T and PV), causal."""
+    heads, _, head_dim = shape
+    pairs = sum(context - query_len + i + 1 for i in range(query_len))
+    return 4 * heads * head_dim * pairs * count
+
+
+def run_prefill_case(name, shape, spec: str, args, flush) -> dict:
+    count, query_len, context = parse_prefill(spec)
+    case = make_case(shape, count, context, query_len)
+    scale = 1.0 / math.sqrt(shape[2])
+    plain = lambda: cuda.paged_attention(**case, scale=scale)  # noqa: E731
+    calls = {v: with_variant(v, plain, "prefill_variant") for v in cuda.PREFILL_VARIANTS}
+    micros = time_variants(calls, args.iters, args.warmup, flush)
+    flops = prefill_flops(shape, count, query_len, context)
+    first = calls[cuda.PREFILL_VARIANTS[0]]().float()
+    return {
+        "shape": name, "sequences": count, "query_len": query_len, "context": context,
+        "flops": flops,
+        "variants": {
+            v: {"us": round(micros[v], 2), "tflop_s": round(flops / micros[v] / 1e6, 2),
+                "kernels": launched_kernels(calls[v])}
+            for v in calls
+        },
+        "fastest": min(calls, key=micros.__getitem__),
+        "max_abs_diff_sdpa_vs_cupy": (calls["sdpa"]().float() - first).abs().max().item(),
+    }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- report
@@ -326,16 +405,29 @@ def main() -> None:
     facts = gpu_facts()
     peak = facts["peak_bandwidth_bytes_per_s"]
     flush = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    results = []
+    results: list[dict] = []
+    prefill: list[dict] = []
     stamp = timestamp()
     settings = {**vars(args), "block_size": BLOCK_SIZE, "dtype": str(DTYPE)}
+    engine = {"decode_variant": cuda.decode_variant, "prefill_variant": cuda.prefill_variant}
+
+    def save() -> Path:
+        payload = {"gpu": facts, "engine": engine, "cases_done": len(results) + len(prefill),
+                   "results": results, "prefill": prefill}  # fmt: skip
+        return write_result(f"kernels-{_slug(facts['gpu'])}", payload, stamp, settings)
+
     for name in args.shapes:
         for context in args.contexts:
             for batch in args.batches:
                 results.append(run_case(name, SHAPES[name], batch, context, args, flush, peak))
                 torch.cuda.empty_cache()
-                payload = {"gpu": facts, "cases_done": len(results), "results": results}
-                path = write_result(f"kernels-{_slug(facts['gpu'])}", payload, stamp, settings)
+                path = save()
+    for name in [] if args.no_prefill else args.shapes:
+        for spec in args.prefill_seqs:
+            prefill.append(run_prefill_case(name, SHAPES[name], spec, args, flush))
+            print(prefill[-1], flush=True)
+            torch.cuda.empty_cache()
+            path = save()
     print_table(results)
     print(f"wrote {path}")
     if not args.no_png:

@@ -73,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-sizes", default="16,32,64,128,256", help="probed HF batch sizes")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
     p.add_argument("--name", default="engine-gpu", help="result file prefix in bench/results/")
+    p.add_argument("--no-png", action="store_true", help="write the JSON only (replot later)")
     return p.parse_args(argv)
 
 
@@ -214,6 +215,15 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def plot_title(settings: dict[str, Any]) -> str:
+    cap = settings["output_cap"]
+    capped = f" (exp., cap {cap})" if cap > 0 else ""
+    return (
+        f"{settings['num_requests']} requests, {settings['prompt_len']}/"
+        f"{settings['output_len']}{capped}"
+    )
+
+
 def plot(rows: list[dict], stamp: str, name: str, title: str) -> None:
     fig, axes = common.new_figure(len(rows))
     for ax, row in zip(axes, rows, strict=True):
@@ -245,8 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     stamp = common.timestamp()
     name = f"{args.name}-{gpu.replace(' ', '_')}"
-    cap = f" (exp., cap {args.output_cap})" if args.output_cap > 0 else ""
-    title = f"{args.num_requests} requests, {args.prompt_len}/{args.output_len}{cap}"
+    title = plot_title(vars(args))
     rows: list[dict] = []
     for shape in args.shapes.split(","):
         loaded = load_dummy(shape, torch.float32, "cpu", seed=args.seed)
@@ -260,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
         # After every shape (same file, rewritten): a run killed at its time limit keeps
         # the shapes it finished.
         path = common.write_result(name, payload(rows, args, gpu), stamp, settings=vars(args))
-        plot(rows, stamp, name, title)
+        if not args.no_png:
+            plot(rows, stamp, name, title)
         print(f"wrote {path}; {shape}: ratio {row['ratio']}", flush=True)
 
 

@@ -1,39 +1,51 @@
 #!/usr/bin/env bash
-# One command per device call on a GPU machine that has no package registry (`make gpu-check`).
+# The one device call of a GPU session (`make gpu-check`; bench/README.md, "GPU", has the
+# exact `run` call and what to do when a step fails).
 #
-# The device tool gives one command at most 600 s, and a session about 30 minutes, so the
-# work is cut into three calls (bench/README.md, "GPU", has the exact commands):
-#   call1 (the default): versions install ready tests bench
-#         versions; the carried wheels; `import compute, services`; a CUDA device and CuPy
-#         there (else every gpu test would skip, and pass); the gpu-marked kernel
-#         tests (stopping at the first failure), then the engine and sampler ones;
-#         bench/gpu/cuda_kernels.py at a short setting; bench/gpu/step_gap.py (batch 8 and 64)
-#   call2: versions install ready graphs engine
-#         bench/gpu/cuda_graphs.py, then bench/gpu/engine_gpu.py (each writes its JSON after every
-#         shape, so a kill keeps the shapes done)
-#   call3: versions install ready sanitize
-#         compute-sanitizer memcheck (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so accesses inside
-#         torch's pool are checked) and racecheck over a subset of the kernel tests
-# Single steps can be named too: bash bench/gpu/gpu_check.sh versions install engine ...
+# A session that is lent a GPU gets 15 minutes of device time in all, the machine's start
+# (2-4 minutes) included, and at most 600 s a command: one full call and perhaps one short
+# rerun. So this is ONE command that fits `run(timeout_s=600)`: its steps together are cut
+# to GPU_CHECK_BUDGET_S (540 s) counted from the start, in order of value:
+#   versions                 the GPU, driver, nvcc, torch, CuPy, NVRTC (summary.txt)
+#   install imports ready    the carried wheels; `import compute, services`; a CUDA device
+#                            and CuPy (else every gpu test would skip, and pass: stop)
+#   compile                  NVRTC-compile every kernel the launcher builds, timed; CuPy's
+#                            disk cache then serves the tests and benchmarks
+#   kernel-tests             the gpu-marked kernel tests (tests/kernels)
+#   engine-tests             the gpu-marked engine tests: GPU vs CPU, graphs, async, abort,
+#                            prefix cache, SDPA prefill (tests/engine)
+#   bench-kernels            both decode kernels and SDPA, % of HBM peak; CuPy vs SDPA prefill
+#   bench-graphs             decode steps eager vs CUDA graphs, batch 1 and 64
+#   bench-gap                device idle between steps, sync vs async, graphs recorded
+#   sanitize bench-engine    only with time left (optional: cut or skipped, never a failure):
+#                            compute-sanitizer memcheck and racecheck over a kernel-test
+#                            subset; engine throughput vs HF static batching
+# `call` (the default) is all of them. Single steps can be named, e.g. a rerun of what
+# failed: bash bench/gpu/gpu_check.sh install ready compile engine-tests
+# Groups: tests = kernel-tests engine-tests; bench = bench-kernels bench-graphs bench-gap.
 # `collect` (pytest --collect-only over the same test files) is the CPU test's dry run.
 #
-# Every step has a time limit (GPU_CHECK_*_S), and all of them together are cut to
-# GPU_CHECK_BUDGET_S (540 s) counted from the start: a step gets what is left, and one that
-# would get under 20 s is skipped, said so. A failing step does not stop the later ones,
-# except a missing or broken install (everything after it would fail the same way). The
-# exit status is that of the first failure.
+# Every step has a time limit (GPU_CHECK_*_S), cut to what is left of the budget; a
+# required step that would get under 20 s is skipped and fails the run, an optional one
+# under 60 s is skipped. A failing step does not stop the later ones, except install,
+# imports, ready and compile (everything after them would fail the same way). The exit
+# status is that of the first failure.
 #
-# The wheels: .gpu-wheels/ is git-ignored, so it reaches the GPU machine only when the
-# device call names it in `carry`; without it every step but `versions` stops at once.
-# GPU_WHEELS_DIR=installed skips the install where the packages are importable already.
+# The wheels: .gpu-wheels/ (`make gpu-wheels`) is git-ignored, so it reaches the GPU
+# machine only when the device call names it in `carry`; without it every step but
+# `versions` stops at once. GPU_WHEELS_DIR=installed skips the install where the packages
+# are importable already.
 #
 # Results go to $OUT (the device call's return folder; default bench/results/gpu-check-<ts>)
-# as they are produced, so a run killed at its limit still returns what it did: at most 8
-# files (the device call returns no more): summary.txt (versions and each step's status),
-# setup.log (install and imports), pytest.log, bench.log, sanitizer.log, and the
-# benchmarks' JSON and PNG (written straight into $OUT: HEADRACE_BENCH_RESULTS).
+# as they are produced, so a run killed at its limit still returns what it did. At most 8
+# files come back from a device call, so: summary.txt (versions, every step's verdict and
+# time), setup.log (install, imports, ready, compile), pytest.log (the tests and the
+# sanitizers), bench.log (the benchmarks' output), and the benchmarks' JSON, each written
+# straight into $OUT (HEADRACE_BENCH_RESULTS) without its PNG (`python -m bench.gpu.replot`
+# draws them afterwards): kernels-<gpu>-*.json, cuda-graphs-<gpu>-*.json,
+# step-gap-gpu-*.json and, with time left, engine-gpu-<gpu>-*.json.
 #      Python: $PYTHON (default python3, the image's torch). Commit: $HEADRACE_COMMIT where
-#      the copy has no .git (the JSON files name it).
+#      the copy has no .git (the summary and the JSON files name it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -42,23 +54,25 @@ STAMP=$(date -u +%Y%m%d-%H%M%S)
 OUT=${OUT:-bench/results/gpu-check-$STAMP}
 WHEELS=${GPU_WHEELS_DIR:-.gpu-wheels}
 SITE=${GPU_SITE_DIR:-/tmp/headrace-site}
-# Limits in seconds. Each call's steps add up to at most 520 s, and BUDGET_S (540 s, counted
-# from the script's start, versions included) cuts them where they run long: under the
-# 600 s a device command gets, with room for the machine's start-up and the copy back.
+# Limits in seconds. The required steps add up to at most 520 s, and BUDGET_S (540 s,
+# counted from the script's start, versions included) cuts them where they run long: under
+# the 600 s a device command gets, with room for the copy back.
 BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
-INSTALL_S=${GPU_CHECK_INSTALL_S:-40}            # pip install of the carried wheels
-IMPORTS_S=${GPU_CHECK_IMPORTS_S:-40}            # import compute, services, kernels.cuda
-READY_S=${GPU_CHECK_READY_S:-30}                # a CUDA device and CuPy (kernels.cuda)
-KERNEL_TESTS_S=${GPU_CHECK_KERNEL_TESTS_S:-160} # tests/kernels/test_kernels_gpu.py, -x (call 1)
-ENGINE_TESTS_S=${GPU_CHECK_ENGINE_TESTS_S:-130} # ENGINE_TEST_FILES below (call 1)
-BENCH_S=${GPU_CHECK_BENCH_S:-60}                # bench/gpu/cuda_kernels.py, short setting (call 1)
-GAP_S=${GPU_CHECK_GAP_S:-60}                    # bench/gpu/step_gap.py, 50 steps per run (call 1)
-GRAPHS_BENCH_S=${GPU_CHECK_GRAPHS_BENCH_S:-160} # bench/gpu/cuda_graphs.py, both shapes (call 2)
-ENGINE_BENCH_S=${GPU_CHECK_ENGINE_BENCH_S:-250} # bench/gpu/engine_gpu.py, both shapes (call 2)
-SANITIZE_S=${GPU_CHECK_SANITIZE_S:-205}         # each of memcheck and racecheck (call 3)
+INSTALL_S=${GPU_CHECK_INSTALL_S:-25}            # pip install of the carried wheels
+IMPORTS_S=${GPU_CHECK_IMPORTS_S:-30}            # import compute, services, kernels.cuda
+READY_S=${GPU_CHECK_READY_S:-20}                # a CUDA device and CuPy (bench/gpu/ready.py)
+COMPILE_S=${GPU_CHECK_COMPILE_S:-70}            # bench/gpu/compile_kernels.py (NVRTC)
+KERNEL_TESTS_S=${GPU_CHECK_KERNEL_TESTS_S:-125} # KERNEL_TEST_FILES below
+ENGINE_TESTS_S=${GPU_CHECK_ENGINE_TESTS_S:-105} # ENGINE_TEST_FILES below
+BENCH_KERNELS_S=${GPU_CHECK_BENCH_KERNELS_S:-50} # bench/gpu/cuda_kernels.py, short setting
+BENCH_GRAPHS_S=${GPU_CHECK_BENCH_GRAPHS_S:-50}  # bench/gpu/cuda_graphs.py, batch 1 and 64
+BENCH_GAP_S=${GPU_CHECK_BENCH_GAP_S:-40}        # bench/gpu/step_gap.py, batch 8 and 64
+SANITIZE_S=${GPU_CHECK_SANITIZE_S:-120}         # each of memcheck and racecheck (optional)
+BENCH_ENGINE_S=${GPU_CHECK_BENCH_ENGINE_S:-120} # bench/gpu/engine_gpu.py, small (optional)
 COLLECT_S=${GPU_CHECK_COLLECT_S:-120}           # pytest --collect-only (the CPU dry run)
-PER_TEST_S=${GPU_CHECK_PER_TEST_S:-120}
+PER_TEST_S=${GPU_CHECK_PER_TEST_S:-90}
 MIN_STEP_S=20
+MIN_OPTIONAL_S=60
 # The gpu-marked tests, by file: collecting all of tests/ would import modules that need
 # packages the image lacks (cryptography, jsonschema, opentelemetry, ...) and fail.
 # tests/bench/test_gpu_check.py collects these files with those packages made unimportable.
@@ -67,7 +81,7 @@ ENGINE_TEST_FILES=(tests/engine/test_engine_gpu.py tests/engine/test_sampler.py)
 
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-export HEADRACE_BENCH_RESULTS="$OUT" # the benchmarks' JSON and PNG land in $OUT directly
+export HEADRACE_BENCH_RESULTS="$OUT" # the benchmarks' JSON lands in $OUT directly
 HEADRACE_COMMIT=${HEADRACE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export HEADRACE_COMMIT
 if [ "$WHEELS" = installed ]; then
@@ -76,35 +90,66 @@ else # the carried wheels (installed by the install step) come before the image'
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 FIRST_FAILURE=0
+NOT_READY=3 # bench/gpu/ready.py's exit status for "no CUDA device or no CuPy"
 
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
 fail() { [ "$FIRST_FAILURE" -eq 0 ] && FIRST_FAILURE=$1; }
 
-# step NAME LIMIT_S LOG COMMAND...: runs COMMAND under a time limit (cut to what is left of
-# the budget), appending its output to $OUT/LOG as it comes, and records its status.
-step() {
+# run_step NAME LIMIT_S LOG COMMAND...: runs COMMAND under a time limit (cut to what is left
+# of the budget), appending its output to $OUT/LOG as it comes. Sets STEP_RC and STEP_TIME.
+run_step() {
   local name=$1 limit=$2 log=$3
   shift 3
+  local left=$((BUDGET_S - SECONDS))
+  [ "$limit" -gt "$left" ] && limit=$left
+  local start=$SECONDS
+  echo "== step $name (limit ${limit}s) $(date -u +%H:%M:%S)" >>"$OUT/$log"
+  timeout --kill-after=10 "$limit" "$@" >>"$OUT/$log" 2>&1
+  STEP_RC=$?
+  STEP_TIME=$((SECONDS - start))
+  STEP_LIMIT=$limit
+  tail -n 15 "$OUT/$log"
+}
+
+# step NAME LIMIT_S LOG COMMAND...: a required step; skipped (and failed) when the budget
+# cannot give it MIN_STEP_S; its exit status is returned and the first failure kept.
+step() {
+  local name=$1 limit=$2 log=$3
   local left=$((BUDGET_S - SECONDS))
   if [ "$left" -lt "$MIN_STEP_S" ]; then
     note "step $name: SKIPPED (${left}s left of the ${BUDGET_S}s budget)"
     fail 124
     return 124
   fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  local start=$SECONDS
-  echo "== step $name (limit ${limit}s) $(date -u +%H:%M:%S)" >>"$OUT/$log"
-  timeout --kill-after=10 "$limit" "$@" >>"$OUT/$log" 2>&1
-  local rc=$?
+  run_step "$@"
   local verdict=ok
-  if [ "$rc" -ne 0 ]; then
-    verdict="FAILED (exit $rc$([ "$rc" -eq 124 ] && echo ", over its ${limit}s limit"))"
-    fail "$rc"
+  if [ "$STEP_RC" -ne 0 ]; then
+    verdict="FAILED (exit $STEP_RC$([ "$STEP_RC" -eq 124 ] && echo ", over its ${STEP_LIMIT}s limit"))"
+    fail "$STEP_RC"
   fi
-  note "step $name: $verdict in $((SECONDS - start)) s (log: $log)"
-  tail -n 15 "$OUT/$log"
-  return "$rc"
+  note "step $name: $verdict in $STEP_TIME s (log: $log)"
+  return "$STEP_RC"
+}
+
+# optional NAME LIMIT_S LOG COMMAND...: run only with MIN_OPTIONAL_S left; cut at the
+# budget it is reported so, never as a failure (it is extra, and found nothing in the part
+# that ran); a real failure (exit status other than a timeout) counts as one.
+optional() {
+  local name=$1 left=$((BUDGET_S - SECONDS))
+  if [ "$left" -lt "$MIN_OPTIONAL_S" ]; then
+    note "step $name: not run (optional; ${left}s left of the ${BUDGET_S}s budget)"
+    return 0
+  fi
+  run_step "$@"
+  case $STEP_RC in
+    0) note "step $name: ok in $STEP_TIME s (log: $3)" ;;
+    124 | 137) note "step $name: CUT at ${STEP_LIMIT}s (optional, not a failure; log: $3)" ;;
+    *)
+      note "step $name: FAILED (exit $STEP_RC) in $STEP_TIME s (log: $3)"
+      fail "$STEP_RC"
+      ;;
+  esac
 }
 
 stop_now() {
@@ -127,10 +172,12 @@ print("python", sys.version.split()[0])
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
-    print(f"device {p.name}: {p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB")
+    print(f"device {p.name}: {p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB,"
+          f" sm_{p.major}{p.minor}")
 try:
     import cupy
-    print("cupy", cupy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())
+    print("cupy", cupy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(),
+          "NVRTC", cupy.cuda.nvrtc.getVersion())
 except Exception as exc:  # noqa: BLE001 - reported, not fatal here
     print("cupy: NOT AVAILABLE:", exc)
 EOF
@@ -158,11 +205,26 @@ install() {
     stop_now "compute/services do not import (setup.log): a package missing from GPU_WHEELS?"
 }
 
-# Without a GPU and CuPy every gpu-marked test skips and pytest exits 0: stop instead.
+# Without a GPU and CuPy every gpu-marked test skips and pytest exits 0: stop instead. The
+# check's own verdict decides what the summary says: NOT_READY is "no GPU", any other
+# failure is the check's own fault (a traceback in setup.log), never read as "no GPU".
 ready() {
-  step ready "$READY_S" setup.log "$PYTHON" -c "import sys; from kernels import cuda
-sys.exit(0 if cuda.is_available() else 'kernels.cuda.is_available() is False (no GPU or no CuPy)')" ||
-    stop_now "no CUDA device or no CuPy (setup.log): every gpu test would skip"
+  step ready "$READY_S" setup.log "$PYTHON" -m bench.gpu.ready
+  local rc=$?
+  if [ "$rc" -eq "$NOT_READY" ]; then
+    stop_now "no CUDA device or no CuPy: $(grep 'NOT READY:' "$OUT/setup.log" | tail -n 1)" \
+      "(setup.log); every gpu test would skip"
+  elif [ "$rc" -ne 0 ]; then
+    stop_now "the ready check itself failed (exit $rc; its traceback in setup.log), which" \
+      "says nothing about the GPU: fix bench/gpu/ready.py or what it imports"
+  fi
+  note "$(grep '^ready:' "$OUT/setup.log" | tail -n 1)"
+}
+
+compile() {
+  step compile "$COMPILE_S" setup.log "$PYTHON" -m bench.gpu.compile_kernels ||
+    stop_now "the kernels did not compile and load (setup.log: NVRTC's log)"
+  note "$(grep '^compile:' "$OUT/setup.log" | tail -n 4 | tr '\n' ';')"
 }
 
 common_pytest=(-q -rfEs -p no:cacheprovider)
@@ -172,59 +234,75 @@ collect() {
     "${common_pytest[@]}" "${KERNEL_TEST_FILES[@]}" "${ENGINE_TEST_FILES[@]}"
 }
 
-tests() {
-  step kernel-tests "$KERNEL_TESTS_S" pytest.log "$PYTHON" -m pytest -m gpu -x \
+kernel-tests() {
+  step kernel-tests "$KERNEL_TESTS_S" pytest.log "$PYTHON" -m pytest -m gpu --maxfail 10 \
     "${common_pytest[@]}" --timeout "$PER_TEST_S" "${KERNEL_TEST_FILES[@]}"
+}
+
+engine-tests() {
   step engine-tests "$ENGINE_TESTS_S" pytest.log "$PYTHON" -m pytest -m gpu \
     "${common_pytest[@]}" --timeout "$PER_TEST_S" "${ENGINE_TEST_FILES[@]}"
 }
 
-bench() {
-  step bench-kernels "$BENCH_S" bench.log "$PYTHON" -m bench.gpu.cuda_kernels --iters 20 --warmup 5
-  step bench-step-gap "$GAP_S" bench.log "$PYTHON" -m bench.gpu.step_gap --device cuda --steps 50
+bench-kernels() {
+  step bench-kernels "$BENCH_KERNELS_S" bench.log "$PYTHON" -m bench.gpu.cuda_kernels \
+    --iters 20 --warmup 5 --batches 1 8 64 256 --contexts 2048 --no-png
 }
 
-graphs() {
-  step bench-graphs "$GRAPHS_BENCH_S" bench.log "$PYTHON" -m bench.gpu.cuda_graphs
+bench-graphs() {
+  step bench-graphs "$BENCH_GRAPHS_S" bench.log "$PYTHON" -m bench.gpu.cuda_graphs \
+    --shapes smollm2-135m --batches 1,64 --contexts 512 --steps 20 --stream-tokens 64 --no-png
 }
 
-engine() {
-  step bench-engine "$ENGINE_BENCH_S" bench.log "$PYTHON" -m bench.gpu.engine_gpu
+bench-gap() {
+  step bench-gap "$BENCH_GAP_S" bench.log "$PYTHON" -m bench.gpu.step_gap --device cuda \
+    --batches 8,64 --steps 50 --no-png
 }
 
 sanitize() {
   if ! command -v compute-sanitizer >/dev/null; then
-    note "step sanitize: compute-sanitizer not found, skipped"
+    note "step sanitize: compute-sanitizer not found, not run"
     return
   fi
   # A subset: the sanitizers slow kernels down 10-100x. SmolLM2's shape and a GQA-8 one,
-  # decode (several partitions, merge), prefill, mixed, and the cache write.
-  # (-k matches substrings of test ids: "[float16-" excludes the bfloat16 twins.)
-  local subset="[float16-d64-b16-g3] or [bfloat16-d128-b32-g8] or reshape_and_cache_gpu"
-  subset+=" or test_decode_partition_sizes_gpu[f16-64]"
+  # decode (both kernels, several partitions, the merge), prefill, mixed, the cache write.
+  # (-k matches substrings of test ids; "bfloat16" also holds "float16-", hence the "not".)
+  local subset="(float16-d64-b16-g3] and not bfloat16) or bfloat16-d128-b32-g8]"
+  subset+=" or reshape_and_cache_gpu or (test_decode_partition_sizes_gpu and -f16-64])"
   local args=(--error-exitcode 3 --print-limit 20 "$PYTHON" -m pytest -m gpu -x -q
     -p no:cacheprovider tests/kernels/test_kernels_gpu.py -k "$subset")
   # Without torch's caching allocator every tensor is its own allocation, so memcheck
   # sees an access past a tensor's end (inside the pool it lands in other memory).
-  step memcheck "$SANITIZE_S" sanitizer.log env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+  optional memcheck "$SANITIZE_S" pytest.log env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
     compute-sanitizer --tool memcheck "${args[@]}"
-  step racecheck "$SANITIZE_S" sanitizer.log compute-sanitizer --tool racecheck "${args[@]}"
+  optional racecheck "$SANITIZE_S" pytest.log compute-sanitizer --tool racecheck "${args[@]}"
+}
+
+bench-engine() {
+  optional bench-engine "$BENCH_ENGINE_S" bench.log "$PYTHON" -m bench.gpu.engine_gpu \
+    --shapes smollm2-135m --num-requests 64 --prompt-len 256 --output-len 64 \
+    --hf-batch-sizes 16,64 --no-png
 }
 
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(call1)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(call)
 EXPANDED=()
 for s in "${STEPS[@]}"; do
   case $s in
-    call1) EXPANDED+=(versions install ready tests bench) ;;
-    call2) EXPANDED+=(versions install ready graphs engine) ;;
-    call3) EXPANDED+=(versions install ready sanitize) ;;
-    versions | install | ready | collect | tests | bench | sanitize | engine | graphs)
+    call)
+      EXPANDED+=(versions install ready compile kernel-tests engine-tests bench-kernels
+        bench-graphs bench-gap sanitize bench-engine)
+      ;;
+    tests) EXPANDED+=(kernel-tests engine-tests) ;;
+    bench) EXPANDED+=(bench-kernels bench-graphs bench-gap) ;;
+    versions | install | ready | compile | collect | kernel-tests | engine-tests | \
+      bench-kernels | bench-graphs | bench-gap | sanitize | bench-engine)
       EXPANDED+=("$s")
       ;;
     *)
-      echo "unknown step $s (call1 call2 call3, or: versions install ready collect tests" \
-        "bench graphs engine sanitize)" >&2
+      echo "unknown step $s (call, tests, bench, or: versions install ready compile collect" \
+        "kernel-tests engine-tests bench-kernels bench-graphs bench-gap sanitize" \
+        "bench-engine)" >&2
       exit 2
       ;;
   esac

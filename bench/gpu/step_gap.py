@@ -14,7 +14,12 @@ On the CPU the same run uses host clocks: a launch returns when its work is done
 the "gap" is the host's time between launches (scheduling, output handling); it checks
 the plumbing, it is not the GPU figure.
 
-Writes ``bench/results/step-gap-<device>-<stamp>.json`` and a PNG.
+Each row records whether the decode steps replayed CUDA graphs (the engine's default on
+CUDA; a failed capture falls back to eager steps, logged): ``cuda_graphs`` (any batch size
+captured), ``captured_batch_sizes``, and ``graph_replays`` during the measured steps.
+
+Writes ``bench/results/step-gap-<device>-<stamp>.json`` and a PNG (``--no-png``: the JSON
+only; ``python -m bench.gpu.replot`` draws it later).
 Run: ``python bench/step_gap.py --device cuda`` (part of ``make gpu-check``).
 """
 
@@ -45,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="decode steps before measuring")
     p.add_argument("--modes", default="sync,async", help="comma list: sync, async")
     p.add_argument("--name", default="step-gap", help="result file prefix in bench/results/")
+    p.add_argument("--no-png", action="store_true", help="write the JSON only")
     return p.parse_args(argv)
 
 
@@ -113,6 +119,8 @@ def run(args: argparse.Namespace, batch: int, async_output: bool) -> dict:
         )
     for _ in range(args.warmup + 1):  # the prefill step, then warm decode steps
         engine.step()
+    graphs = engine.runner.graphs
+    replays_before = graphs.replays if graphs is not None else 0
     timeline.recording = True
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -121,6 +129,7 @@ def run(args: argparse.Namespace, batch: int, async_output: bool) -> dict:
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
     timeline.recording = False
+    replays = (graphs.replays if graphs is not None else 0) - replays_before
     steps, gaps = timeline.steps_and_gaps()
     while engine.has_unfinished():
         engine.step()
@@ -135,7 +144,14 @@ def run(args: argparse.Namespace, batch: int, async_output: bool) -> dict:
         "gap_over_step": round(gap_ms / step_ms, 4) if step_ms else None,
         "wall_ms_per_step": round(wall * 1e3 / args.steps, 4),
         "decode_tok_s": round(batch * args.steps / wall, 1),
+        "cuda_graphs": bool(engine.cuda_graph_batch_sizes),
+        "captured_batch_sizes": list(engine.cuda_graph_batch_sizes),
+        "graph_replays": replays,
     }
+
+
+def title(shape: str, device: str, clocks: str) -> str:
+    return f"step gap, {shape}, {device} ({clocks})"
 
 
 def plot(rows: list[dict], stamp: str, name: str, title: str) -> None:
@@ -163,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     clocks = "host clocks" if args.device == "cpu" else "CUDA events"
     payload = {"device": device, "clocks": clocks, "rows": rows}
     path = common.write_result(name, payload, stamp, settings=vars(args))
-    plot(rows, stamp, name, f"step gap, {args.shape}, {device} ({clocks})")
+    if not args.no_png:
+        plot(rows, stamp, name, title(args.shape, device, clocks))
     print(f"wrote {path}")
 
 

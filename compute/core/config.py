@@ -204,7 +204,6 @@ class ModelConfig:
 # CPU serves fit, a longer one preempts others (memory is touched at start, so RSS is what
 # the cache really costs; --kv-cache-memory-gib or --num-blocks give more).
 CPU_KV_TOKENS_PER_SEQ = 256
-GPU_KV_MEMORY_GIB = 2.0
 # What the KV cache may hold (--kv-cache-dtype): "auto" = the model dtype (fp32 on the CPU:
 # the exact paths stay exact), float16 with --weights quantized-int8 (llama.cpp's numerics);
 # int8 = per token and head int8 codes that carry their own bf16 scale, head_dim bytes a row
@@ -218,9 +217,14 @@ class CacheConfig:
 
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # explicit block count; None = derive from memory
-    # KV memory budget when num_blocks is None; None = 2 GiB on a GPU, and on the CPU room
-    # for max_num_seqs sequences of CPU_KV_TOKENS_PER_SEQ tokens (at least one full-length).
+    # KV memory budget when num_blocks is None; None = on a GPU what gpu_memory_utilization
+    # leaves, on the CPU room for max_num_seqs sequences of CPU_KV_TOKENS_PER_SEQ tokens (at
+    # least one full-length).
     memory_gib: float | None = None
+    # The fraction of the GPU's memory the engine may fill in all (weights, activations,
+    # CUDA graphs, KV cache: the cache gets the rest; compute/runner/kv_sizing.py), as
+    # vLLM's --gpu-memory-utilization. Used when num_blocks and memory_gib are unset.
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes
     swap_space_gib: float = 1.0  # host memory for swapped-out blocks (preemption_mode=swap)
     # Element type of the cache (KV_CACHE_DTYPES): K/V are rounded to it once when written
@@ -234,6 +238,10 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.memory_gib is not None and self.memory_gib <= 0:
             raise ValueError(f"memory_gib must be positive, got {self.memory_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -10,6 +10,10 @@ attributes (lists, tuples, dicts, dataclasses, plain objects), deduplicated by s
 it keeps working when the model's layout changes (fused or quantized weights, extra
 transposed copies, new cache fields). A tensor shared by two owners (tied embeddings) or
 viewed twice (a slice of a fused matrix) counts once, with its whole storage.
+
+On a GPU the line also has the device's memory as the driver sees it once the CUDA graphs
+are captured (``gpu_mib``: total, free, and the fraction in use, to hold against
+--gpu-memory-utilization, which sized the KV cache: compute/runner/kv_sizing.py).
 """
 
 from __future__ import annotations
@@ -96,9 +100,23 @@ def process_rss_bytes(pid: int | str = "self") -> int | None:
     return None
 
 
+def gpu_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device, as the driver reports them (tests fake it)."""
+    return torch.cuda.mem_get_info(device)
+
+
+def _gpu_report(runner: Any) -> dict[str, Any] | None:
+    device = getattr(runner, "device", None)
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        return None
+    free, total = gpu_memory(device)
+    return {"total": total, "free": free, "in_use_fraction": round(1 - free / total, 3)}
+
+
 def memory_breakdown(model: Any, runner: Any) -> dict[str, Any]:
     """Model tensors, then the runner's own tensors (KV cache and the rest) by attribute,
-    and the process RSS with what these leave unexplained on the CPU."""
+    the process RSS with what these leave unexplained on the CPU, and on a GPU the device's
+    memory (``gpu``: bytes total and free, fraction in use; None elsewhere)."""
     counted: set = set()
     model_bytes = tensor_bytes(model, exclude=counted)
     by_attribute = {}
@@ -115,6 +133,7 @@ def memory_breakdown(model: Any, runner: Any) -> dict[str, Any]:
         "runner_bytes_by_attribute": by_attribute,
         "rss_bytes": rss,
         "rss_other_bytes": None if rss is None else rss - cpu_tensors,
+        "gpu": _gpu_report(runner),
     }
 
 
@@ -133,7 +152,7 @@ def log_memory(model: Any, runner: Any) -> dict[str, Any]:
     def mib(by_device: dict[str, int]) -> dict[str, float]:
         return {device: round(n / MIB, 1) for device, n in by_device.items()}
 
-    rss, other = report["rss_bytes"], report["rss_other_bytes"]
+    rss, other, gpu = report["rss_bytes"], report["rss_other_bytes"], report["gpu"]
     log.info(
         "memory",
         model_mib=mib(report["model_bytes"]),
@@ -144,5 +163,9 @@ def log_memory(model: Any, runner: Any) -> dict[str, Any]:
         },
         rss_mib=None if rss is None else round(rss / MIB, 1),
         rss_other_mib=None if other is None else round(other / MIB, 1),
+        **({} if gpu is None else {"gpu_mib": {
+            "total": round(gpu["total"] / MIB), "free": round(gpu["free"] / MIB),
+            "in_use_fraction": gpu["in_use_fraction"],
+        }}),
     )  # fmt: skip
     return report

@@ -25,7 +25,6 @@ import torch
 
 from compute.core.config import (
     CPU_KV_TOKENS_PER_SEQ,
-    GPU_KV_MEMORY_GIB,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -34,6 +33,7 @@ from compute.core.outputs import ScheduledSequence, SchedulerOutput
 from compute.models.decoder import DecoderModel
 from compute.runner.cuda_graphs import DecodeGraphs, capture_or_eager
 from compute.runner.fault_isolation import FAULT_MESSAGE, launch_isolating
+from compute.runner.kv_sizing import gpu_num_blocks
 from compute.runner.step_batch import StepBatch
 from compute.runner.step_result import StepResult
 from compute.sampling.fault_hook import FaultHook
@@ -91,13 +91,15 @@ def blocks_for_memory(cfg: ModelConfig, cache: CacheConfig, gib: float, dtype) -
 def default_num_blocks(
     config: EngineConfig, model: ModelConfig, device: torch.device, dtype, max_model_len: int
 ) -> int:
-    """KV blocks when --num-blocks is unset: --kv-cache-memory-gib when given, else 2 GiB on a
-    GPU and, on the CPU, max_num_seqs * CPU_KV_TOKENS_PER_SEQ tokens (>= one max_model_len)."""
+    """KV blocks when --num-blocks is unset: --kv-cache-memory-gib when given, else on a GPU
+    what --gpu-memory-utilization leaves (compute/runner/kv_sizing.py) and, on the CPU,
+    max_num_seqs * CPU_KV_TOKENS_PER_SEQ tokens (>= one max_model_len)."""
     cache = config.cache
     if cache.memory_gib is not None:
         return blocks_for_memory(model, cache, cache.memory_gib, dtype)
     if device.type != "cpu":
-        return blocks_for_memory(model, cache, GPU_KV_MEMORY_GIB, dtype)
+        block_bytes = kv_bytes_per_block(model, cache.block_size, dtype)
+        return gpu_num_blocks(config, model, device, dtype, block_bytes, max_model_len)
     tokens = max(config.scheduler.max_num_seqs * CPU_KV_TOKENS_PER_SEQ, max_model_len)
     return -(-tokens // cache.block_size)
 

@@ -416,8 +416,9 @@ __device__ __forceinline__ void decode_partition(
 
 // Thread blocks per SM the one-pass kernel is built for (caps its registers: 170 and 256 a
 // thread). G = 4 needs ~168 registers, G = 8 ~222; without the cap ptxas may pick fewer and
-// spill.
-constexpr int onepass_min_blocks(int G) { return G <= 4 ? 3 : 2; }
+// spill. Host and device: NVRTC (the launcher's compiler) refuses a host function here,
+// where nvcc allows it.
+__host__ __device__ constexpr int onepass_min_blocks(int G) { return G <= 4 ? 3 : 2; }
 
 template <int D>
 struct OnePassSmem {

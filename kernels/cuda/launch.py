@@ -10,7 +10,8 @@ Dispatch inside ``paged_attention``: rows of sequences with query_len == 1 go
 to the decode kernel (split into partitions of 64 to 512 tokens chosen from the
 batch and context, kernels/cuda/attention_plan.py, plus a merge kernel when any
 sequence spans more than one); sequences with query_len >= 2 go to the
-prefill kernel. Both kernels read query_start_loc on the device and skip the
+prefill kernel (or, with ``prefill_variant`` "sdpa", to torch SDPA over their gathered
+pages: kernels/cuda/prefill_sdpa.py). Both kernels read query_start_loc on the device and skip the
 other's sequences, so a mixed batch costs two or three launches and no index
 lists, and a sequence gets the same kernel, hence the same bits, whatever
 else shares its batch. Attention takes fp16 or bf16, head dim 64 or 128,
@@ -33,6 +34,7 @@ import functools
 import math
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kernels.cuda import prefill_sdpa
 from kernels.cuda.attention_plan import AttentionPlan, plan_for
 from kernels.cuda.checks import (
     ATTENTION_DTYPES,
@@ -70,6 +73,14 @@ _kernels: dict[tuple[str, int, tuple[str, ...], str], Any] = {}
 DECODE_VARIANTS = ("two-pass", "one-pass")
 decode_variant = "two-pass"
 ONEPASS_GROUPS = (4, 8)  # the one-pass kernel's query-head capacities (its G)
+
+# The prefill of sequences with query_len >= 2: "cupy" (paged_attention_prefill.cu, fp32 on
+# CUDA cores) or "sdpa" (kernels/cuda/prefill_sdpa.py: torch SDPA over the gathered pages,
+# flash / memory-efficient kernels on tensor cores; soft-capped calls keep "cupy", SDPA
+# cannot cap). Process-wide as decode_variant; a GPU run measures both (bench/gpu/
+# cuda_kernels.py --prefill) before the engine's default changes.
+PREFILL_VARIANTS = ("cupy", "sdpa")
+prefill_variant = "cupy"
 
 
 def is_available() -> bool:
@@ -302,9 +313,20 @@ def paged_attention(
     out = torch.empty_like(query) if plan.covered else torch.zeros_like(query)
     if plan.decode_partitions:
         _launch_decode(out, query, key_cache, value_cache, meta, scores, plan)
-    if plan.prefill_longest:
+    if plan.prefill_longest and _prefill_by_sdpa(softcap):
+        prefill_sdpa.prefill_attention(out, query, key_cache, value_cache, meta, scale, window)
+    elif plan.prefill_longest:
         _launch_prefill(out, query, key_cache, value_cache, meta, scores, plan)
     return out
+
+
+def _prefill_by_sdpa(softcap: float | None) -> bool:
+    """Whether this call's prefill sequences go to torch SDPA (prefill_variant)."""
+    if prefill_variant not in PREFILL_VARIANTS:
+        raise ValueError(
+            f"prefill variant must be one of {PREFILL_VARIANTS}, got {prefill_variant!r}"
+        )
+    return prefill_variant == "sdpa" and softcap is None
 
 
 def _score_args(
@@ -394,3 +416,18 @@ def warm_up(device: torch.device, dtype: torch.dtype, head_dim: int, block_size:
     for file, name in wanted:
         _kernel(cupy, file, name, index)
     return len(wanted)
+
+
+def compile_all(device: torch.device) -> dict[str, tuple[int, float]]:
+    """Compiles (or loads from CuPy's disk cache) every entry point of kernel_names() on a
+    device: {file: (kernels, seconds)}. gpu_check.sh's compile step times it, so the kernel
+    tests that follow (other processes, the same disk cache) do not pay it in their limits."""
+    cupy = _import_cupy()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    took = {}
+    for file, names in kernel_names().items():
+        start = time.perf_counter()
+        for name in names:
+            _kernel(cupy, file, name, index)
+        took[file] = (len(names), time.perf_counter() - start)
+    return took

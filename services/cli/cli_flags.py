@@ -146,8 +146,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--block-size", "cache.block_size", "tokens per KV block (power of two)", int),
     Flag("--num-blocks", "cache.num_blocks", "KV blocks (none = from memory)", _optional_int),
     Flag("--kv-cache-memory-gib", "cache.memory_gib",
-         "KV memory if --num-blocks unset (auto: GPU 2 GiB; CPU 256 tokens per --max-num-seqs)",
-         _optional_float),
+         "KV memory if --num-blocks unset (auto: on a GPU what --gpu-memory-utilization "
+         "leaves; CPU 256 tokens per --max-num-seqs)", _optional_float),
+    Flag("--gpu-memory-utilization", "cache.gpu_memory_utilization",
+         "fraction of the GPU's memory the engine may fill (weights, activations, CUDA "
+         "graphs and KV cache; the KV cache gets the rest), as vLLM's; used when neither "
+         "--num-blocks nor --kv-cache-memory-gib is set; start-up fails, naming both "
+         "figures, when the rest cannot hold one --max-model-len sequence", float),
     Flag("--kv-cache-dtype", "cache.kv_cache_dtype",
          "KV cache element type: K/V rounded to it once when written, read back as fp32 "
          "(float16/bfloat16 halve the bytes a long-context decode step reads and double the "
@@ -209,7 +214,7 @@ FLAGS: tuple[Flag, ...] = (
 # The subset that `generate --offline` uses to build its in-process engine.
 OFFLINE_FLAGS = ("--model", "--chat-template", "--device", "--dtype", "--threads",
                  "--cpu-kernels", "--weights", "--num-blocks", "--kv-cache-memory-gib",
-                 "--kv-cache-dtype", "--max-model-len")  # fmt: skip
+                 "--gpu-memory-utilization", "--kv-cache-dtype", "--max-model-len")  # fmt: skip
 
 
 def sections() -> dict[str, type]:

@@ -106,8 +106,11 @@ message that names it.
 """,
     "cache": """\
 `--block-size` on CUDA: 16 or 32. With neither `--num-blocks` nor
-`--kv-cache-memory-gib`, the KV cache is 2 GiB on a GPU, and on the CPU 256 tokens per
-`--max-num-seqs` sequence (at least one `--max-model-len`). `--swap-space-gib` is used by
+`--kv-cache-memory-gib`, the KV cache on a GPU is what `--gpu-memory-utilization` (0.9)
+of its memory leaves once the weights are loaded, less an estimate of the activations
+and CUDA graphs still to come (the `kv cache sized` log line has every figure, the
+`memory` line what is free after the graphs); on the CPU 256 tokens per `--max-num-seqs`
+sequence (at least one `--max-model-len`). `--swap-space-gib` is used by
 `--preemption-mode swap`.
 """,
     "scheduler": """\

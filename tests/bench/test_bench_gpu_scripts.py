@@ -33,6 +33,31 @@ def test_step_gap_dry_run_on_the_cpu(tmp_path, monkeypatch) -> None:
     for row in rows:
         assert row["step_ms_median"] > 0 and row["gap_ms_median"] >= 0
         assert row["decode_tok_s"] > 0
+        # Whether graphs were replayed: none on the CPU (no capture there).
+        assert row["cuda_graphs"] is False and row["captured_batch_sizes"] == []
+        assert row["graph_replays"] == 0
+
+
+def test_json_only_runs_are_drawn_later_by_replot(tmp_path, monkeypatch) -> None:
+    """The device call keeps to 8 files, so its benchmarks write JSON only (--no-png);
+    bench.gpu.replot draws the PNG beside each JSON afterwards."""
+    from bench.gpu import replot
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    argv = ["--device", "cpu", "--shape", "tiny", "--batches", "2", "--steps", "2",
+            "--warmup", "1", "--modes", "async", "--no-png"]  # fmt: skip
+    step_gap.main(argv)
+    [gap] = tmp_path.glob("step-gap-cpu-*.json")
+    assert not list(tmp_path.glob("*.png"))
+    kernels = tmp_path / "kernels-nvidia-h200-20261128-120000.json"
+    variant = {"us": 10.0, "gb_per_s": 100.0, "percent_of_peak": 2.1, "kernels": ["k"]}
+    row = {"shape": "smollm2-135m", "batch": 1, "context": 512, "kernel": variant,
+           "variants": {"two-pass": variant, "one-pass": variant}}  # fmt: skip
+    record = {"benchmark": "kernels-nvidia-h200", "gpu": {"gpu": "NVIDIA H200"}, "results": [row]}
+    kernels.write_text(json.dumps(record))
+    assert replot.main([str(gap), str(kernels)]) == 0
+    assert gap.with_suffix(".png").is_file() and kernels.with_suffix(".png").is_file()
+    assert tmp_path == common.RESULTS_DIR  # put back
 
 
 def test_timeline_pairs_launches_and_gaps() -> None:

@@ -1,4 +1,4 @@
-"""bench/gpu/gpu_check.sh, the one command of each GPU device call, dry-run on the CPU.
+"""bench/gpu/gpu_check.sh, the one command of a GPU session's device call, dry-run on the CPU.
 
 The GPU machine's image has torch, CuPy, pytest, transformers ... but not this project's
 other packages; what `import compute, services` and the gpu-marked tests need beyond it
@@ -10,9 +10,11 @@ Checked here against the image's package list (tests/support/gpu_image/packages.
 - the script's imports step and its test collection succeed in a subprocess where every
   installed distribution the image lacks and no wheel carries cannot be imported
   (tests/support/gpu_image/sitecustomize.py), and collect gpu-marked tests, no errors;
-- without the wheels the script stops at once, saying so; the steps' time limits of each
-  call fit the device's 600 s command limit; a step that would get too little of the
-  budget is skipped, said so.
+- without the wheels the script stops at once, saying so; without a GPU the `ready` step
+  stops it with its own verdict, and a fault of that check is never read as "no GPU"; the
+  required steps' time limits fit the device's 600 s command limit; a step that would get
+  too little of the budget is skipped, said so; what the call leaves in $OUT fits the 8
+  files a device call returns.
 """
 
 from __future__ import annotations
@@ -183,16 +185,45 @@ def test_without_the_wheels_it_stops_at_once_saying_so(tmp_path) -> None:
 
 
 def test_an_unknown_step_is_refused(tmp_path) -> None:
-    done = run_script(tmp_path, "call1", "benchmark")
+    done = run_script(tmp_path, "call", "benchmark")
     assert done.returncode == 2 and "unknown step benchmark" in done.stderr
 
 
-def test_without_a_gpu_the_calls_stop_before_the_tests(tmp_path) -> None:
-    """Every gpu-marked test would skip, and pytest pass: the `ready` step stops the run."""
-    done = run_script(tmp_path, "install", "ready", "tests", GPU_WHEELS_DIR="installed")
+def test_without_a_gpu_the_call_stops_before_the_tests(tmp_path) -> None:
+    """Every gpu-marked test would skip, and pytest pass: the `ready` step stops the run,
+    and says so with the check's own verdict (bench/gpu/ready.py), not a guess."""
+    done = run_script(tmp_path, "call", GPU_WHEELS_DIR="installed")
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    assert done.returncode != 0 and "STOPPED: no CUDA device or no CuPy" in summary
-    assert "kernel-tests" not in summary
+    setup = (tmp_path / "out" / "setup.log").read_text()
+    own = "NOT READY: no CUDA device (torch.cuda.is_available() is False)"
+    assert own in setup and "Traceback" not in setup, setup
+    assert done.returncode == 3
+    assert f"STOPPED: no CUDA device or no CuPy: {own}" in summary, summary
+    assert "step imports: ok" in summary and "step ready: FAILED (exit 3)" in summary
+    assert "step compile" not in summary and "step kernel-tests" not in summary
+
+
+def test_a_fault_of_the_ready_check_is_not_read_as_no_gpu(tmp_path) -> None:
+    """The check of before (kernels.cuda.is_available(), gone from the package when it
+    became one): AttributeError, exit 1. The summary names the check's fault, not the GPU."""
+    broken = tmp_path / "python"
+    broken.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'from kernels import cuda; cuda.is_available()'\n"
+    )
+    broken.chmod(0o755)
+    done = run_script(tmp_path, "ready", GPU_WHEELS_DIR="installed", PYTHON=str(broken))
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "AttributeError" in (tmp_path / "out" / "setup.log").read_text()
+    assert done.returncode == 1
+    assert "STOPPED: the ready check itself failed (exit 1;" in summary, summary
+    assert "no CUDA device" not in summary
+
+
+def test_optional_steps_without_time_are_not_run_and_do_not_fail(tmp_path) -> None:
+    done = run_script(tmp_path, "bench-engine", GPU_WHEELS_DIR="installed", GPU_CHECK_BUDGET_S="30")
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert done.returncode == 0, summary
+    assert "step bench-engine: not run (optional;" in summary
 
 
 def test_a_step_the_budget_cannot_hold_is_skipped(tmp_path) -> None:
@@ -207,21 +238,40 @@ def limits() -> dict[str, int]:
     return {name: int(value) for name, value in found}
 
 
-@pytest.mark.parametrize(
-    "call,steps",
-    [
-        ("call1", ["INSTALL_S", "IMPORTS_S", "READY_S", "KERNEL_TESTS_S", "ENGINE_TESTS_S",
-                   "BENCH_S", "GAP_S"]),
-        ("call2", ["INSTALL_S", "IMPORTS_S", "READY_S", "GRAPHS_BENCH_S", "ENGINE_BENCH_S"]),
-        ("call3", ["INSTALL_S", "IMPORTS_S", "READY_S", "SANITIZE_S", "SANITIZE_S"]),
-    ],
-)  # fmt: skip
-def test_each_call_fits_the_command_limit(call, steps) -> None:
+REQUIRED = ["INSTALL_S", "IMPORTS_S", "READY_S", "COMPILE_S", "KERNEL_TESTS_S", "ENGINE_TESTS_S",
+            "BENCH_KERNELS_S", "BENCH_GRAPHS_S", "BENCH_GAP_S"]  # fmt: skip
+
+
+def test_the_call_fits_the_command_limit() -> None:
+    """One device call: its required steps' limits within the budget, the budget within
+    the 600 s a command gets (the optional steps get only what is left)."""
     found = limits()
     budget = found.pop("BUDGET_S")
-    assert budget <= COMMAND_LIMIT_S - 60  # start-up, versions, the copy back
-    assert sum(found[s] for s in steps) <= budget - 20, call  # 20 s: versions
-    assert f"{call}) EXPANDED+=" in SCRIPT.read_text()
+    assert budget <= COMMAND_LIMIT_S - 60  # versions' own limits, the copy back
+    assert sum(found[s] for s in REQUIRED) <= budget - 20  # 20 s: versions
+    text = SCRIPT.read_text()
+    order = re.search(r"^    call\)\n      EXPANDED\+=\(([^)]*)\)", text, re.MULTILINE)
+    assert order is not None
+    assert order.group(1).split() == [
+        "versions", "install", "ready", "compile", "kernel-tests", "engine-tests",
+        "bench-kernels", "bench-graphs", "bench-gap", "sanitize", "bench-engine",
+    ]  # fmt: skip
+    assert "call1" not in text and "call2" not in text  # one call, not three
+
+
+def test_the_call_returns_at_most_eight_files() -> None:
+    """A device call returns at most 8 files from $OUT: the script's four logs and the
+    JSON of its four benchmarks, which therefore draw no PNG there (replot does, later)."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    logs = set(re.findall(r"(?:step|optional) [\w-]+ \"\$\w+\" (\w+\.log)", text))
+    assert logs == {"setup.log", "pytest.log", "bench.log"}
+    commands = re.findall(r'"\$PYTHON" -m bench\.gpu\.(\w+)([^\n]*)', text)
+    writers = {name for name, args in commands if name not in ("ready", "compile_kernels")}
+    assert writers == {"cuda_kernels", "cuda_graphs", "step_gap", "engine_gpu"}
+    for name, args in commands:
+        if name in writers:
+            assert "--no-png" in args.split(), name
+    assert 1 + len(logs) + len(writers) <= 8  # summary.txt, the logs, one JSON each
 
 
 def test_the_script_parses() -> None:
@@ -232,9 +282,13 @@ def test_the_benchmark_commands_parse_their_arguments(monkeypatch) -> None:
     """Each `"$PYTHON" -m bench.gpu.x ARGS` of the script: ARGS are options it takes."""
     import importlib
 
-    commands = re.findall(r'"\$PYTHON" -m bench\.gpu\.(\w+)([^\n]*)', SCRIPT.read_text())
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    commands = re.findall(r'"\$PYTHON" -m bench\.gpu\.(\w+)([^\n]*)', text)
     names = {name for name, _ in commands}
-    assert names == {"cuda_kernels", "step_gap", "cuda_graphs", "engine_gpu"}
+    assert names == {
+        "ready", "compile_kernels", "cuda_kernels", "step_gap", "cuda_graphs", "engine_gpu",
+    }  # fmt: skip
+    commands = [(n, rest) for n, rest in commands if n not in ("ready", "compile_kernels")]
     for name, rest in commands:
         argv = rest.split()
         module = importlib.import_module(f"bench.gpu.{name}")
@@ -275,3 +329,33 @@ def test_the_kernel_benchmark_runs_each_decode_kernel_and_restores_the_engines()
     with pytest.raises(RuntimeError):
         cuda_kernels.with_variant("one-pass", broken)()
     assert cuda.decode_variant == engine_default
+
+
+def test_the_kernel_benchmark_names_the_kernels_a_call_launched(monkeypatch) -> None:
+    """`kernels` of every variant (and so `kernel`) is what the launcher was asked to run."""
+    from bench.gpu import cuda_kernels
+    from kernels.cuda import launch as cuda
+
+    monkeypatch.setattr(cuda, "_launch", lambda device, file, name, *rest: None)
+    launcher = cuda._launch
+
+    def call():
+        cuda._launch(None, "paged_attention_decode.cu", "paged_attention_decode_f16_d64_b16")
+        cuda._launch(None, "paged_attention_decode.cu", "paged_attention_decode_reduce_f16_d64")
+
+    assert cuda_kernels.launched_kernels(call) == [
+        "paged_attention_decode_f16_d64_b16", "paged_attention_decode_reduce_f16_d64",
+    ]  # fmt: skip
+    assert cuda._launch is launcher
+    sdpa = cuda_kernels.with_variant("sdpa", lambda: cuda.prefill_variant, "prefill_variant")
+    assert sdpa() == "sdpa" and cuda.prefill_variant == "cupy"
+
+
+def test_the_prefill_cases_and_their_flops() -> None:
+    from bench.gpu import cuda_kernels
+
+    assert cuda_kernels.parse_prefill("4x512/4096") == (4, 512, 4096)
+    with pytest.raises(ValueError, match="2 <= Q <= C"):
+        cuda_kernels.parse_prefill("1x1/10")
+    # 2 queries over 3 keys: the first sees 2 keys, the second 3: 5 pairs of 4 x 9 x 64 FLOPs.
+    assert cuda_kernels.prefill_flops((9, 3, 64), 1, 2, 3) == 5 * 4 * 9 * 64

@@ -6,13 +6,17 @@ engine runs the same function. Greedy tokens of a mixed batch of 16 prompts
 (lengths 3..600, so prefills are chunked under a 256-token budget, decodes
 and chunks share steps) are compared:
 
-- with the CPU engine in fp32 (the issue's figure; printed). Random weights
-  give near-tied logits and a greedy run diverges for good after one flip,
-  so the issue's >= 95% is a target for real weights: here the CPU's own
-  bf16 path agreed with its fp32 path at 82.8% of positions (measured on the
-  CPU, 2026-11-23), and the assertion asks for no less than 75%;
+- with the CPU engine in fp32 on the torch path (the oracle: no CPU kernels to build);
 - with the same GPU engine running the torch reference attention instead of
-  the kernels (same dtype, same device: only the attention differs; >= 90%).
+  the kernels (same dtype, same device: only the attention differs).
+
+Random weights give near-tied logits, and a greedy run diverges for good after one flip,
+so a share of agreeing tokens measures luck as much as the kernels (the CPU's own bf16
+path agreed with its fp32 path at 82.8% of positions). What must hold instead: every row
+agrees up to its first divergence, and there each run's token is among the other run's
+TOP_K best (both saw the same context up to there, so only a near tie may flip); the share
+of rows identical throughout is printed. A wrong kernel picks tokens far down the other's
+ranking at once.
 
 Also checked on the GPU: the prefill and decode kernels are both called
 (counted), a second round of prompts sharing prefixes hits the prefix cache,
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -47,7 +51,8 @@ pytestmark = [
 ]
 
 NEW_TOKENS = 16
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+TOP_K = 5  # at the first divergence, each run's token is among the other's best TOP_K
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, top_logprobs=TOP_K)
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +61,18 @@ def cpu_weights():
 
 
 def make_engine(cpu_weights, device: str, dtype: torch.dtype, graphs: bool = False) -> Engine:
-    """graphs=True: CUDA graphs asked for, so a failed capture raises (no eager fallback)."""
+    """graphs=True: CUDA graphs asked for, so a failed capture raises (no eager fallback).
+    On the CPU the torch path (the oracle; the CPU kernels are not built on the GPU machine)."""
     weights = {k: v.to(device=device, dtype=dtype) for k, v in cpu_weights.weights.items()}
     config = EngineConfig(
         model="dummy:smollm2-135m",
         cache=CacheConfig(block_size=16, num_blocks=2048),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
         device=DeviceConfig(
-            device=device, dtype=str(dtype).removeprefix("torch."), cuda_graphs=graphs
+            device=device,
+            dtype=str(dtype).removeprefix("torch."),
+            cuda_graphs=graphs,
+            cpu_kernels="torch",
         ),
     )
     return Engine(config, loaded=replace(cpu_weights, weights=weights))
@@ -75,13 +84,46 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(4, 49152) for _ in range(n)] for n in lengths]
 
 
+@dataclass
+class Run:
+    """One request's tokens and, per position, the ids of its TOP_K best tokens."""
+
+    tokens: list[int]
+    best: list[set[int]]
+
+
+def as_run(tokens: list[int], logprobs) -> Run:
+    return Run(list(tokens), [{i for i, _ in lp.top} if lp else set() for lp in logprobs])
+
+
+def greedy_runs(engine: Engine, batch: list[list[int]]) -> list[Run]:
+    return [as_run(out.token_ids, out.logprobs) for out in engine.generate(batch, GREEDY)]
+
+
 def greedy_tokens(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
-    return [out.token_ids for out in engine.generate(batch, GREEDY)]
+    return [run.tokens for run in greedy_runs(engine, batch)]
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
-    return sum(x == y for x, y in pairs) / len(pairs)
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where both have a token and they differ (None: none)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def assert_diverge_only_at_near_ties(a: list[Run], b: list[Run], what: str) -> None:
+    """Row by row: equal up to the first divergence, and there each run's token among the
+    other's TOP_K best. Prints how many rows are identical throughout."""
+    failures, same = [], 0
+    for row, (x, y) in enumerate(zip(a, b, strict=True)):
+        j = first_divergence(x.tokens, y.tokens)
+        if j is None:
+            same += 1
+        elif not (x.tokens[j] in y.best[j] and y.tokens[j] in x.best[j]):
+            failures.append(
+                f"row {row}, position {j}: {x.tokens[j]} (best {sorted(x.best[j])}) vs "
+                f"{y.tokens[j]} (best {sorted(y.best[j])})"
+            )
+    print(f"\n{what}: {same}/{len(a)} rows identical; the rest diverge at near ties")
+    assert not failures, f"{what}: a token outside the other's top {TOP_K}:\n" + "\n".join(failures)
 
 
 @pytest.fixture
@@ -100,27 +142,39 @@ def launch_counts(monkeypatch) -> Counter:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_greedy_tokens_agree_with_the_cpu_engine(cpu_weights, launch_counts, dtype):
     batch = prompts()
-    expected = greedy_tokens(make_engine(cpu_weights, "cpu", torch.float32), batch)
+    expected = greedy_runs(make_engine(cpu_weights, "cpu", torch.float32), batch)
     gpu = make_engine(cpu_weights, "cuda", dtype)
-    got = greedy_tokens(gpu, batch)
-    share = agreement(got, expected)
-    print(f"\n{dtype}: greedy agreement with the CPU fp32 engine {share:.1%}")
-    assert all(len(t) == NEW_TOKENS for t in got)
+    got = greedy_runs(gpu, batch)
+    assert all(len(run.tokens) == NEW_TOKENS for run in got)
     assert launch_counts["paged_attention_prefill_" + cuda.ATTENTION_DTYPES[dtype] + "_d64"] > 0
     assert launch_counts[cuda.decode_kernel_name(cuda.ATTENTION_DTYPES[dtype], 64, 16)] > 0
-    assert share >= 0.75
+    assert_diverge_only_at_near_ties(got, expected, f"{dtype} vs the CPU fp32 engine")
 
 
 def test_kernels_match_the_reference_attention_on_the_gpu(cpu_weights, monkeypatch):
     batch = prompts(1)
-    kernels = greedy_tokens(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
+    kernels = greedy_runs(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
     # The model calls ops.<op> at each layer: send CUDA tensors through the torch reference.
     monkeypatch.setattr(ops, "paged_attention", reference.paged_attention)
     monkeypatch.setattr(ops, "reshape_and_cache", reference.reshape_and_cache)
-    torch_path = greedy_tokens(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
-    share = agreement(kernels, torch_path)
-    print(f"\nbf16 greedy agreement, kernels vs torch reference attention: {share:.1%}")
-    assert share >= 0.9
+    torch_path = greedy_runs(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
+    assert_diverge_only_at_near_ties(kernels, torch_path, "bf16, kernels vs torch attention")
+
+
+def test_sdpa_prefill_matches_the_reference_attention_on_the_gpu(
+    cpu_weights, monkeypatch, launch_counts
+):
+    """The engine with prefills through torch SDPA (kernels/cuda/prefill_sdpa.py) and
+    decodes through the CuPy kernel, against the torch reference attention."""
+    batch = prompts(5)
+    monkeypatch.setattr(cuda, "prefill_variant", "sdpa")
+    sdpa = greedy_runs(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
+    assert not any(name.startswith("paged_attention_prefill_") for name in launch_counts)
+    assert launch_counts[cuda.decode_kernel_name("bf16", 64, 16)] > 0
+    monkeypatch.setattr(ops, "paged_attention", reference.paged_attention)
+    monkeypatch.setattr(ops, "reshape_and_cache", reference.reshape_and_cache)
+    torch_path = greedy_runs(make_engine(cpu_weights, "cuda", torch.bfloat16), batch)
+    assert_diverge_only_at_near_ties(sdpa, torch_path, "bf16, SDPA prefill vs torch attention")
 
 
 def gemma2_attention(loaded):
@@ -144,13 +198,11 @@ def test_windowed_softcapped_kernels_match_the_reference_attention_on_the_gpu(
     model, batch = gemma2_attention(cpu_weights), prompts(2)
     engine = make_engine(model, "cuda", torch.bfloat16)
     assert engine.max_model_len == model.config.max_position_embeddings
-    kernels = greedy_tokens(engine, batch)
+    kernels = greedy_runs(engine, batch)
     monkeypatch.setattr(ops, "paged_attention", reference.paged_attention)
     monkeypatch.setattr(ops, "reshape_and_cache", reference.reshape_and_cache)
-    torch_path = greedy_tokens(make_engine(model, "cuda", torch.bfloat16), batch)
-    share = agreement(kernels, torch_path)
-    print(f"\nbf16 greedy agreement, windowed + soft-capped, kernels vs torch: {share:.1%}")
-    assert share >= 0.9
+    torch_path = greedy_runs(make_engine(model, "cuda", torch.bfloat16), batch)
+    assert_diverge_only_at_near_ties(kernels, torch_path, "bf16 windowed + soft-capped")
 
 
 def test_prefix_cache_and_abort_on_the_gpu(cpu_weights, launch_counts):
@@ -173,9 +225,12 @@ def test_prefix_cache_and_abort_on_the_gpu(cpu_weights, launch_counts):
     torch.cuda.synchronize()  # a kernel fault would surface here
 
 
-def _run_mixed(engine: Engine, params: list[SamplingParams], abort_at: int | None) -> dict:
+def _run_mixed(
+    engine: Engine, params: list[SamplingParams], abort_at: int | None, logprobs=None
+) -> dict:
     """Step a seeded mixed batch by hand (as the step loop does), aborting request 3 at
-    step `abort_at` (None: never)."""
+    step `abort_at` (None: never): {request id: [tokens, finish reason]}. `logprobs`, a dict
+    when given, gets each request's per-token logprobs."""
     for i, (prompt, p) in enumerate(zip(prompts(4), params, strict=True)):
         engine.add_request(f"m{i}", prompt, p)
     got: dict[str, list] = {f"m{i}": [[], None] for i in range(len(params))}
@@ -187,6 +242,8 @@ def _run_mixed(engine: Engine, params: list[SamplingParams], abort_at: int | Non
         for out in engine.step():
             got[out.request_id][0].extend(out.new_token_ids)
             got[out.request_id][1] = out.finish_reason
+            if logprobs is not None:
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
     return got
 
@@ -223,39 +280,49 @@ def test_async_output_gives_the_outputs_of_sync_output(cpu_weights, monkeypatch)
     and the decode partition size (the planner would pick it from the batch; per sequence
     the kernel is then batch invariant, test_batch_invariance_gpu). Not pinnable: cuBLAS
     may round a GEMM of one row more differently, and random weights' near-tied logits make
-    a greedy run diverge for good after one flip: the tokens must agree at >= 75% of
-    positions, the file's floor for such comparisons (printed); what does not depend on the
-    bits must hold exactly."""
+    a greedy run diverge for good after one flip: every row must agree up to its first
+    divergence and diverge there only between near ties (each token among the other run's
+    TOP_K best; the seeded rows sample among their best 2, so theirs do too); what does not
+    depend on the bits must hold exactly."""
     monkeypatch.setattr(attention_plan, "decode_partition_size", lambda *args: 128)
     reference = greedy_tokens(make_engine(cpu_weights, "cuda", torch.bfloat16), prompts(4))
     params = []
     for i in range(16):
         if i % 4 == 1:
-            params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=12 + i))
+            params.append(
+                SamplingParams(
+                    temperature=0.8, top_k=2, seed=i, max_tokens=12 + i, top_logprobs=TOP_K
+                )
+            )
         elif i % 4 == 2:  # stops on the token it would emit fifth
             stop = reference[i][4]
             params.append(
                 SamplingParams(
-                    temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=(stop,)
+                    temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=(stop,),
+                    top_logprobs=TOP_K,
+                )
+            )  # fmt: skip
+        else:
+            params.append(
+                SamplingParams(
+                    temperature=0.0, max_tokens=4 + i, ignore_eos=True, top_logprobs=TOP_K
                 )
             )
-        else:
-            params.append(SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True))
     sync = make_engine(cpu_weights, "cuda", torch.bfloat16)  # fresh: no prefix-cache hits
     sync.async_output = False
-    expected = _run_mixed(sync, params, abort_at=6)
+    expected_logprobs, got_logprobs = {}, {}
+    expected = _run_mixed(sync, params, abort_at=6, logprobs=expected_logprobs)
     engine = make_engine(cpu_weights, "cuda", torch.bfloat16)
     assert engine.async_output  # on by default for CUDA
-    got = _run_mixed(engine, params, abort_at=6)
+    got = _run_mixed(engine, params, abort_at=6, logprobs=got_logprobs)
     aborted, expected_aborted = got.pop("m3"), expected.pop("m3")
     assert len(expected_aborted[0]) - len(aborted[0]) in (0, 1)
     keys = sorted(got)
-    share = agreement(
-        [got[k][0][: len(expected[k][0])] for k in keys],
-        [expected[k][0][: len(got[k][0])] for k in keys],
+    assert_diverge_only_at_near_ties(
+        [as_run(got[k][0], got_logprobs.get(k, [])) for k in keys],
+        [as_run(expected[k][0], expected_logprobs.get(k, [])) for k in keys],
+        "bf16, async vs sync output",
     )
-    print(f"\nbf16 token agreement, async vs sync output: {share:.1%}")
-    assert share >= 0.75
     for i, p in enumerate(params):  # length caps: the same counts whatever the bits
         if i != 3 and p.ignore_eos and not p.stop_token_ids:
             assert len(got[f"m{i}"][0]) == len(expected[f"m{i}"][0]) == p.max_tokens
@@ -294,13 +361,15 @@ def test_device_tensor_is_queued_not_waited_for():
     assert t.dtype == torch.int32 and t.tolist() == [[1, 2], [3, 4]]
 
 
-def _joining_and_leaving(engine: Engine, seed: int) -> dict[str, list[int]]:
+def _joining_and_leaving(engine: Engine, seed: int, logprobs=None) -> dict[str, list[int]]:
     """Greedy requests arriving over 20 steps with varied lengths: the decode batch grows
-    and shrinks through every bucket up to 16 (so it crosses bucket boundaries)."""
+    and shrinks through every bucket up to 16 (so it crosses bucket boundaries). `logprobs`,
+    a dict when given, gets each request's per-token logprobs (TOP_K best)."""
     rng = random.Random(seed)
     work = [
         (rng.randrange(0, 20), [rng.randrange(4, 49152) for _ in range(rng.randrange(3, 80))],
-         SamplingParams(temperature=0.0, max_tokens=rng.randrange(4, 40), ignore_eos=True))
+         SamplingParams(temperature=0.0, max_tokens=rng.randrange(4, 40), ignore_eos=True,
+                        top_logprobs=TOP_K))
         for _ in range(16)
     ]  # fmt: skip
     tokens: dict[str, list[int]] = {f"j{i}": [] for i in range(len(work))}
@@ -312,6 +381,8 @@ def _joining_and_leaving(engine: Engine, seed: int) -> dict[str, list[int]]:
             break
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
+            if logprobs is not None:
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
     return tokens
 
@@ -321,14 +392,15 @@ def test_cuda_graphs_replay_gives_the_tokens_of_the_same_buffers_run_eagerly(cpu
     run eagerly (capture=False): same kernels, same shapes, and on CUDA the same attention
     plan (both plan every row at the graphs' context cap), so the same tokens; and against
     plain eager steps (other row counts, so bf16 GEMMs may round differently, and random
-    weights' near-tied logits make a greedy run diverge for good after one flip: the
-    same >= 75% floor as the CPU comparison above)."""
+    weights' near-tied logits make a greedy run diverge for good after one flip: rows
+    diverge only at near ties, as in the CPU comparison above)."""
     from compute.runner.cuda_graphs import DecodeGraphs
 
     engine = make_engine(cpu_weights, "cuda", torch.bfloat16, graphs=True)
     graphs = engine.runner.graphs
     assert graphs is not None and engine.cuda_graph_batch_sizes == (1, 2, 4, 8, 16)
-    replayed = _joining_and_leaving(engine, seed=5)
+    replayed_logprobs, plain_logprobs = {}, {}
+    replayed = _joining_and_leaving(engine, seed=5, logprobs=replayed_logprobs)
     assert graphs.replays > 0
 
     buffers = make_engine(cpu_weights, "cuda", torch.bfloat16)
@@ -341,10 +413,12 @@ def test_cuda_graphs_replay_gives_the_tokens_of_the_same_buffers_run_eagerly(cpu
 
     eager = make_engine(cpu_weights, "cuda", torch.bfloat16)
     assert eager.runner.graphs is None
-    plain = _joining_and_leaving(eager, seed=5)
-    share = agreement([plain[k] for k in sorted(plain)], [replayed[k] for k in sorted(plain)])
-    print(f"\ngreedy agreement, graph replay vs eager steps: {share:.1%}")
-    assert share >= 0.75
+    plain = _joining_and_leaving(eager, seed=5, logprobs=plain_logprobs)
+    assert_diverge_only_at_near_ties(
+        [as_run(plain[k], plain_logprobs[k]) for k in sorted(plain)],
+        [as_run(replayed[k], replayed_logprobs[k]) for k in sorted(plain)],
+        "graph replay vs eager steps",
+    )
 
 
 def test_cuda_graphs_replay_windowed_layers_as_the_same_buffers_run_eagerly(cpu_weights):

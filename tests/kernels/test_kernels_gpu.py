@@ -158,15 +158,22 @@ def run_and_check(
 def _poison_before_windows(batch: Batch, window: int) -> None:
     """NaN into the K/V slots of each real sequence before its first query's window (the
     keys no query of the step sees), whole blocks and the start of the first visible one."""
+    slots = _slots_before_windows(batch, window).to(batch.key_cache.device)
+    for cache in (batch.key_cache, batch.value_cache):  # one fill each, not one per slot
+        cache.view(-1, *cache.shape[2:]).index_fill_(0, slots, float("nan"))
+
+
+def _slots_before_windows(batch: Batch, window: int) -> Tensor:
+    """Flat cache slots (block * block_size + offset) of the positions before each real
+    sequence's first query's window."""
     block_size = batch.key_cache.shape[1]
-    tables = batch.meta.block_tables.tolist()
+    tables = batch.meta.block_tables.cpu().long()
+    slots = [torch.zeros(0, dtype=torch.int64)]
     for i in range(batch.real_seqs):
         qlen, ctx = batch.meta.query_lens[i], batch.meta.context_lens_host[i]
-        first_visible = max(0, ctx - qlen - window + 1)
-        for pos in range(first_visible):
-            block, slot = tables[i][pos // block_size], pos % block_size
-            batch.key_cache[block, slot] = float("nan")
-            batch.value_cache[block, slot] = float("nan")
+        positions = torch.arange(max(0, ctx - qlen - window + 1))
+        slots.append(tables[i, positions // block_size] * block_size + positions % block_size)
+    return torch.cat(slots)
 
 
 def _assert_close(got: Tensor, expected: Tensor, batch: Batch) -> None:
@@ -346,6 +353,24 @@ def test_decode_gpu(dtype, head_dim, block_size, group, decode_variant):
 @pytest.mark.parametrize("dtype,head_dim,block_size,group", CONFIGS, ids=CONFIG_IDS)
 def test_prefill_gpu(dtype, head_dim, block_size, group):
     check_prefill("cuda", dtype, head_dim, block_size, group, PREFILL_SEQS)
+
+
+@on_gpu
+@pytest.mark.parametrize("window", [None, 100], ids=["full", "w100"])
+@pytest.mark.parametrize(
+    "dtype,head_dim,group",
+    [(torch.bfloat16, 64, 3), (torch.float16, 128, 8), (torch.bfloat16, 128, 1)],
+    ids=["bf16-d64-g3", "f16-d128-g8", "bf16-d128-g1"],
+)
+def test_prefill_sdpa_gpu(dtype, head_dim, group, window, monkeypatch):
+    """Prefill through torch SDPA over the gathered pages (kernels/cuda/prefill_sdpa.py:
+    flash for whole prompts, the memory-efficient kernel for masked chunks), decode rows
+    through the CuPy kernel, against the reference (tests/kernels/test_prefill_sdpa.py on
+    the CPU)."""
+    monkeypatch.setattr(cuda, "prefill_variant", "sdpa")
+    kwargs = dict(group=group, head_dim=head_dim, block_size=16, dtype=dtype, device="cuda")
+    run_and_check(make_batch(PREFILL_SEQS + [(3, 200)], **kwargs, extra_rows=3), None, window)
+    run_and_check(make_batch(MIXED, **kwargs, padding=3), None, window)
 
 
 @on_gpu
