@@ -93,6 +93,10 @@ FLAGS: tuple[Flag, ...] = (
          "the worker protocol's x-cache-salt metadata, opts out), token = the caller's "
          "bearer token's alone, so tenants never see each other's cached prompts (needs "
          "--auth-token-file)", choices=("none", "token")),
+    Flag("--kv-events", "server.kv_events",
+         "stream the prefix cache's stored and evicted blocks and the engine's load to "
+         "gateways (worker protocol SubscribeKvEvents: SMG's event-driven cache-aware "
+         "routing, pushed load, wedge detection); off = UNIMPLEMENTED", _bool),
     Flag("--profile-dir", "server.profile_dir",
          "directory where the worker protocol's StartProfile/StopProfile write profiles of "
          "the step loop and stages (sampled thread stacks); empty = profiling refused"),

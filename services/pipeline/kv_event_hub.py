@@ -78,7 +78,7 @@ class KvEventHub:
         self.head = self.first = time.time_ns() // 1000  # the last batch number given out
         self._history: deque[EventBatch] = deque(maxlen=history)
         self._cached: OrderedDict[int, BlockStored] = OrderedDict()  # block hash -> its store
-        self._subscribers: set = set()  # kv_subscription.Subscription
+        self._subscribers: set = set()  # kv_subscription.SubscriberQueue
         self._flushes: dict[int, asyncio.Future[CacheFlushed]] = {}
         self._flush_ids = itertools.count(1)
         self.queue_size = QUEUE_BATCHES  # each subscriber's queue (kv_subscription.py)
@@ -117,7 +117,7 @@ class KvEventHub:
         return len(self._subscribers)
 
     def add(self, subscriber) -> None:
-        """Register ``subscriber`` (kv_subscription.Subscription) for every later batch."""
+        """Register ``subscriber`` (kv_subscription.SubscriberQueue) for every later batch."""
         self.attach(asyncio.get_running_loop())
         self._drain()  # what stage 2 has sent so far is in the history and mirror first
         if len(self._subscribers) >= MAX_SUBSCRIBERS:

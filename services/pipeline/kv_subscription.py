@@ -1,6 +1,8 @@
 """One KV-event subscriber: its bounded queue, and the cadence of what it is sent.
 
-``subscribe`` yields ``Outgoing`` records: first what the subscriber missed (the batches
+A ``KvSubscription`` is opened at once -- so that a resume point outside the history is
+refused before the stream's headers go out, as a gateway expects (OUT_OF_RANGE: resync)
+-- and its ``records`` are ``Outgoing``: first what the subscriber missed (the batches
 after its resume point, or a snapshot of the cache when it starts from 0), then every new
 batch, and between batches load-only records numbered with the last batch sent: when the
 load changed without an event (coalesced, at most one per LOAD_MIN_GAP_S) and as a
@@ -44,7 +46,7 @@ class Outgoing:
     first: bool  # the stream's first record (it carries the whole telemetry)
 
 
-class Subscription:
+class SubscriberQueue:
     """The hub's handle on one subscriber: ``offer`` never blocks."""
 
     def __init__(self, size: int) -> None:
@@ -75,25 +77,38 @@ class Subscription:
             await asyncio.wait_for(self._wake.wait(), max(seconds, 0.0))
 
 
-async def subscribe(
-    hub: KvEventHub, start: int, early_loads: bool, metrics: Metrics = NO_METRICS
-) -> AsyncIterator[Outgoing]:
-    """The records of one subscription resuming after batch ``start`` (0: from now, with a
-    snapshot); CursorExpired / ResourceExhausted before the first, FellBehind later."""
-    subscription = Subscription(hub.queue_size)
-    hub.add(subscription)  # first: every batch after the replay reaches its queue
-    try:
-        sender = _Sender(hub, subscription, start, early_loads, metrics)
-        for batch in hub.replay(start):
-            yield sender.batch(batch)
+class KvSubscription:
+    """One subscription resuming after batch ``start`` (0: from now, with a snapshot).
+
+    Opening it raises CursorExpired or ResourceExhausted; ``records`` raises FellBehind
+    once the hub dropped it; ``close`` (always call it) unsubscribes."""
+
+    def __init__(
+        self, hub: KvEventHub, start: int, early_loads: bool, metrics: Metrics = NO_METRICS
+    ) -> None:
+        self._hub = hub
+        self._queue = SubscriberQueue(hub.queue_size)
+        hub.add(self._queue)  # first: every batch after the replay reaches its queue
+        try:
+            self._missed = hub.replay(start)
+        except BaseException:
+            hub.remove(self._queue)
+            raise
+        self._sender = _Sender(hub, self._queue, start, early_loads, metrics)
+
+    async def records(self) -> AsyncIterator[Outgoing]:
+        for batch in self._missed:
+            yield self._sender.batch(batch)
+        self._missed = []
         while True:
-            record = sender.next_record()
+            record = self._sender.next_record()
             if record is None:
-                await subscription.wait(sender.wait_seconds())
+                await self._queue.wait(self._sender.wait_seconds())
             else:
                 yield record
-    finally:
-        hub.remove(subscription)
+
+    def close(self) -> None:
+        self._hub.remove(self._queue)
 
 
 class _Sender:
@@ -102,7 +117,7 @@ class _Sender:
     def __init__(
         self,
         hub: KvEventHub,
-        subscription: Subscription,
+        subscription: SubscriberQueue,
         start: int,
         early_loads: bool,
         metrics: Metrics,

@@ -176,6 +176,7 @@ class Server:
             tracer,
             isolation=self.config.isolation,
             profiler=self._profiler,
+            kv_events=self.config.kv_events,
         )
         worker_grpc.add_VllmEngineServicer_to_server(worker, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -40,6 +40,9 @@ class ServerConfig:
     cache_isolation: str = "none"
     # Where StartProfile/StopProfile write profiles of the step loop and stages; "" = off.
     profile_dir: str = ""
+    # Stream the prefix cache's events and the engine's load (SubscribeKvEvents); off: that
+    # call answers UNIMPLEMENTED and gateways fall back to their own guesses and polls.
+    kv_events: bool = True
     limits: InputLimits = field(default_factory=InputLimits)  # sizes checked before tokenizing
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)  # idle, keepalive
     security: SecurityConfig = field(default_factory=SecurityConfig)  # TLS, mTLS, token auth

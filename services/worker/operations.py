@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import common_pb2 as pb
 from compute.core.errors import FieldError
 from kernels.log import get_logger
 from services.domain import RequestError, Unavailable
-from services.pipeline.kv_subscription import subscribe
+from services.pipeline.kv_subscription import KvSubscription
 from services.pipeline.thread_profiler import ThreadProfiler
 from services.telemetry.metrics import NO_METRICS, Metrics
 from services.worker import kv_event_convert
@@ -55,17 +55,21 @@ class WorkerOperations:
         self._profiler = profiler
         self._bundle: TokenizerBundle | None = None
 
-    async def kv_events(
-        self, request: pb.SubscribeKvEventsRequest
+    def open_kv_events(self, request: pb.SubscribeKvEventsRequest) -> KvSubscription:
+        """A subscription (OUT_OF_RANGE for a resume point outside the history, at once)."""
+        hub, early_loads = self._pipeline.kv_events, request.load_records_before_first_batch
+        return KvSubscription(hub, request.start_sequence_number, early_loads, self._metrics)
+
+    async def kv_event_batches(
+        self, subscription: KvSubscription
     ) -> AsyncIterator[pb.KvEventBatch]:
-        """One subscription's batches, each with the engine's load as it is when sent."""
-        hub = self._pipeline.kv_events
+        """Its batches, each with the engine's load as it is when sent."""
+        load = self._pipeline.kv_events.load
         samples, event_ids = itertools.count(1), itertools.count(1)
-        early_loads = request.load_records_before_first_batch
-        records = subscribe(hub, request.start_sequence_number, early_loads, self._metrics)
+        records = subscription.records()
         try:
             async for record in records:
-                sample = hub.load.sample()
+                sample = load.sample()
                 yield kv_event_convert.batch_to_pb(record, sample, next(samples), event_ids)
         finally:
             await records.aclose()

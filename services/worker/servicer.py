@@ -71,6 +71,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         tracer: RequestTracer | None = None,  # None: the caller's trace ids in the logs only
         isolation: CacheIsolation = SHARED,  # whose prefix cache a call's request uses
         profiler: ThreadProfiler | None = None,  # --profile-dir; None: profiling refused
+        kv_events: bool = True,  # --no-kv-events: SubscribeKvEvents is UNIMPLEMENTED
     ) -> None:
         self._pipeline = pipeline
         self._tokenizer_path = tokenizer_path
@@ -79,6 +80,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         self._tracer = tracer or LogTracer()
         self._isolation = isolation
         self._operations = WorkerOperations(pipeline, metrics, profiler)
+        self._kv_events = kv_events
         self._aborts: dict[str, asyncio.Event] = {}
         self._started = time.time()
         self._last_receive = 0.0
@@ -223,10 +225,19 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        await context.send_initial_metadata(())  # gateways wait for the headers first
-        async with contextlib.aclosing(self._operations.kv_events(request)) as batches:
-            async for batch in batches:
-                yield batch
+        if not self._kv_events:  # gateways take UNIMPLEMENTED for "no events here"
+            raise Unimplemented("KV events are off on this server (--no-kv-events)")
+        # A resume point outside the history is refused before any header goes out: a
+        # gateway reads only a call that fails at once as "resync" (OUT_OF_RANGE).
+        subscription = self._operations.open_kv_events(request)
+        try:
+            await context.send_initial_metadata(())  # gateways wait for the headers first
+            batches = self._operations.kv_event_batches(subscription)
+            async with contextlib.aclosing(batches):
+                async for batch in batches:
+                    yield batch
+        finally:
+            subscription.close()
 
     async def GetTokenizer(
         self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext

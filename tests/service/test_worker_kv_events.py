@@ -262,3 +262,15 @@ def test_flush_cache_refuses_a_bad_timeout_naming_it(tiny) -> None:
         stub(tiny).FlushCache(common_pb2.FlushCacheRequest(timeout_s=-1), timeout=TIMEOUT)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("timeout_s:")
+
+
+def test_with_kv_events_off_the_stream_is_unimplemented(serve) -> None:
+    from services.server.server_config import ServerConfig
+
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=-1, kv_events=False)
+    running = serve(tiny_engine(), config)
+    call = stub(running).SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=TIMEOUT)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "--no-kv-events" in info.value.details()
