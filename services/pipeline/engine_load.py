@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from compute.core.messages import EngineStats
 
 THROUGHPUT_WINDOW_S = 5.0  # generation rate: tokens over the last this many seconds
+_RATE_SAMPLE_S = 0.1  # one (time, tokens) sample per this long: the window stays small
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,12 @@ class LoadTracker:
         """Take one turn's report; True when the load a router reads changed."""
         before = _routing_view(self._stats), self._busy
         self._stats, self._turn_time, self._busy = stats, turn_time, busy
-        self._generated.append((turn_time, stats.generation_tokens))
+        sample = (turn_time, stats.generation_tokens)
+        samples = self._generated
+        if len(samples) >= 2 and turn_time - samples[-2][0] < _RATE_SAMPLE_S:
+            samples[-1] = sample  # the newest sample moves on: one per period is kept
+        else:
+            samples.append(sample)
         while self._generated and self._generated[0][0] < turn_time - THROUGHPUT_WINDOW_S:
             self._generated.popleft()
         changed = (_routing_view(stats), busy) != before
