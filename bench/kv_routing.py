@@ -154,9 +154,22 @@ def run_system(fleet: Fleet, name: str, replicas: list[FleetReplica], args) -> d
             "the gateway routes to the restarted replica again",
         )
         after, wall_after = asyncio.run(phase(gateway.base, items[half:], args))
+        branches = _gateway_branches(gateway)
     finally:
         fleet.stop_gateway(gateway)
-    return summarize(before, after, wall_before + wall_after, restarted.url, gateway.isolated)
+    summary = summarize(before, after, wall_before + wall_after, restarted.url, gateway.isolated)
+    return {**summary, "gateway_policy_branches": branches}
+
+
+def _gateway_branches(gateway) -> dict[str, float]:
+    """How SMG's cache_aware decided (event_hit: from the KV-event index; others: its tree,
+    load or fallbacks), from its own counters."""
+    name = "smg_cache_aware_policy_branch_total"
+    return {
+        dict(labels)["branch"]: value
+        for (metric, labels), value in gateway.metrics().items()
+        if metric == name and value
+    }
 
 
 def summarize(before: list[dict], after: list[dict], wall: float, restarted: str, isolated: bool):
