@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # RPCs of the protocol headrace has no counterpart for; gateways treat UNIMPLEMENTED as
-# "feature absent" (SMG: no KV events -> its own radix-tree approximation for cache_aware).
+# "feature absent" (as SMG does for SubscribeKvEvents under --no-kv-events).
 UNARY_UNIMPLEMENTED = ("Embed",)
 STREAM_UNIMPLEMENTED = ()
 
