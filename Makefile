@@ -27,7 +27,7 @@ GPU_PLATFORMS := --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 .PHONY: help setup setup-gpu gpu-wheels gpu-check system-tools test test-assets test-gateway lint format \
-	serve generate bench bench-decode bench-speculative llama-cpp-convert llama-server bench-serve bench-cpu-kernels soak proto docs nvcc-check gemma3-270m \
+	serve generate bench bench-decode bench-speculative llama-cpp-convert llama-server bench-serve bench-cpu-kernels bench-kv-routing soak proto docs nvcc-check gemma3-270m \
 	clean
 
 help: ## list the targets
@@ -169,6 +169,9 @@ bench-cpu: setup ## CPU: headrace serve vs HF and llama-server (make llama-serve
 
 bench-cpu-kernels: setup ## the CPU kernels vs the torch path: linears, attention, decode steps
 	$(PY) -m bench.cpu_kernels $(ARGS)
+
+bench-kv-routing: setup ## SMG round_robin vs cache_aware (tree) vs cache_aware on KV events, 3 replicas (~15 min)
+	$(PY) -m bench.kv_routing $(ARGS)
 
 soak: setup ## soak: 20 min of mixed load at ~half capacity; RSS, KV leaks, errors (ARGS="--duration 90 -- --model dummy:tiny")
 	$(PY) -m bench.soak $(ARGS)

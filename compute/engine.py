@@ -33,6 +33,7 @@ import torch
 
 from compute.core.checks import RequestLimits
 from compute.core.config import EngineConfig, ModelConfig
+from compute.core.kv_events import KvEvent
 from compute.core.messages import (
     EngineStats,
     FinishReason,
@@ -175,6 +176,11 @@ class Engine:
             )
 
     @property
+    def max_num_seqs(self) -> int:
+        """Most sequences one step runs (the admission window a gateway routes by)."""
+        return self.config.scheduler.max_num_seqs
+
+    @property
     def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
         """Batch sizes whose decode steps replay a captured graph (empty: none)."""
         return self.runner.graph_batch_sizes
@@ -187,9 +193,11 @@ class Engine:
         priority: int = 0,
         arrival_time: float | None = None,
         fork_of: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request. FieldError naming the field if it can never be served.
-        ``fork_of``: a request of the same prompt whose prompt K/V it may share (n > 1)."""
+        ``fork_of``: a request of the same prompt whose prompt K/V it may share (n > 1);
+        ``cache_salt``: its prefix-cache namespace (shared only within the same salt)."""
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -197,8 +205,26 @@ class Engine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             fork_of=fork_of,
+            cache_salt=cache_salt or None,
         )
         self.scheduler.add_request(seq)
+
+    # -- the prefix cache's events and operations (stage 2 calls these) ----------------
+
+    def record_kv_events(self, on: bool = True) -> None:
+        """Record the blocks the prefix cache publishes and forgets (``take_kv_events``);
+        off by default, so that drivers that never take them keep none."""
+        caching = self.config.cache.enable_prefix_caching
+        self.scheduler.kv_manager.kv_events.enabled = on and caching
+
+    def take_kv_events(self) -> tuple[KvEvent, ...]:
+        """The prefix cache's events since the last call, oldest first."""
+        return self.scheduler.kv_manager.kv_events.take()
+
+    def flush_prefix_cache(self) -> tuple[int, int]:
+        """Drop the prefix cache; (blocks freed, blocks unpublished that running requests
+        hold). A step in flight (asynchronous output) is unaffected: it owns its blocks."""
+        return self.scheduler.kv_manager.flush()
 
     @property
     def request_limits(self) -> RequestLimits:
@@ -302,10 +328,12 @@ class Engine:
 
     def stats(self) -> EngineStats:
         sched, kv = self.scheduler, self.scheduler.kv_manager
-        owned = live_tokens = 0
+        owned = live_tokens = prefill_pending = 0
         for seq in sched.live_sequences():
             owned += len(seq.block_ids)
             live_tokens += min(seq.num_computed_tokens, len(seq.block_ids) * self.block_size)
+            if not seq.output_token_ids:
+                prefill_pending += seq.num_prompt_tokens
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
@@ -325,6 +353,7 @@ class Engine:
             spec_emitted_tokens=sched.drafts.num_spec_emitted_tokens,
             samples_forked=sched.num_forked,
             samples_not_forked=sched.num_fork_fallbacks,
+            prefill_pending_tokens=prefill_pending,
         )
 
     def generate(

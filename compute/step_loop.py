@@ -6,6 +6,11 @@ scheduler made them) to stage 3 in one ``StepOutputs`` record, without waiting f
 be consumed. It never tokenizes, detokenizes or touches gRPC, so the accelerator is fed
 back to back.
 
+With a ``publish`` hand-off (the KV-event hub's, services/pipeline/kv_event_hub.py), it also
+passes on, after every turn, the blocks the prefix cache stored and evicted in it with the
+engine's stats (``CacheUpdate``), and answers ``FlushPrefixCache`` there (``CacheFlushed``);
+the hand-off only queues, so subscribers never slow the loop.
+
 A request the engine traced a step failure to (``Engine.take_failed``) gets a
 ``RequestFailed`` alone. An exception out of ``engine.step()`` itself fails the requests
 in the engine at the time; the loop then goes on serving new requests, unless that was
@@ -23,11 +28,15 @@ from collections.abc import Callable
 from typing import Protocol
 
 from compute.core.errors import FieldError
+from compute.core.kv_events import KvEvent
 from compute.core.messages import (
     Abort,
     AddRequest,
+    CacheFlushed,
+    CacheUpdate,
     EngineStats,
     FailureKind,
+    FlushPrefixCache,
     RequestFailed,
     RequestOutput,
     Shutdown,
@@ -50,8 +59,9 @@ class EngineBroken(RuntimeError):
     """The engine failed MAX_FAILED_STEPS steps in a row."""
 
 
-Inbound = AddRequest | Abort | Shutdown
+Inbound = AddRequest | Abort | FlushPrefixCache | Shutdown
 Outbound = StepOutputs | RequestFailed
+Published = CacheUpdate | CacheFlushed  # to the KV-event hub
 
 
 class SteppedEngine(Protocol):
@@ -67,9 +77,16 @@ class SteppedEngine(Protocol):
         priority: int = 0,
         arrival_time: float | None = None,
         fork_of: str | None = None,
+        cache_salt: str | None = None,
     ) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def record_kv_events(self, on: bool = True) -> None: ...
+
+    def take_kv_events(self) -> tuple[KvEvent, ...]: ...
+
+    def flush_prefix_cache(self) -> tuple[int, int]: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -89,10 +106,14 @@ class StepLoop:
         inbox: queue.Queue[Inbound],
         send: Callable[[Outbound], None],
         active_since: Callable[[], float | None],
+        publish: Callable[[Published], None] | None = None,
     ) -> None:
         self._engine = engine
         self._inbox = inbox
         self._send = send
+        self._publish = publish
+        if publish is not None:
+            engine.record_kv_events()
         # When the pipeline last went from no requests to some (None: none now); a wait
         # for input overlapping that is time the step loop starved.
         self._active_since = active_since
@@ -132,6 +153,7 @@ class StepLoop:
             now = time.monotonic()
             timing = self._timing() if start is not None else None
             self._send(StepOutputs(outputs, start or now, end or now, self.stats, timing))
+            self._publish_cache(now)
 
     def _receive(self) -> list[Inbound]:
         """Everything queued; blocks for the first message only when nothing is in flight."""
@@ -161,9 +183,11 @@ class StepLoop:
         idle, self._idle_before_step = self._idle_before_step, 0.0
         return None if timing is None else dataclasses.replace(timing, idle_s=idle)
 
-    def _dispatch(self, msg: AddRequest | Abort) -> None:
+    def _dispatch(self, msg: AddRequest | Abort | FlushPrefixCache) -> None:
         if isinstance(msg, AddRequest):
             self._add(msg)
+        elif isinstance(msg, FlushPrefixCache):
+            self._flush(msg.flush_id)
         elif msg.request_id in self._in_flight:
             self._in_flight.discard(msg.request_id)
             self._abort(msg.request_id)
@@ -177,6 +201,7 @@ class StepLoop:
                 priority=req.priority,
                 arrival_time=req.arrival_time,
                 fork_of=req.fork_of,
+                cache_salt=req.cache_salt,
             )
         except FieldError as exc:
             kind = FailureKind.INVALID_ARGUMENT
@@ -186,6 +211,31 @@ class StepLoop:
             self._send(RequestFailed(req.request_id, FailureKind.ENGINE_FAULT, FAULT_MESSAGE))
         else:
             self._in_flight.add(req.request_id)
+
+    def _flush(self, flush_id: int) -> None:
+        """Drop the prefix cache; the removals go out before the answer."""
+        try:
+            freed, unpublished = self._engine.flush_prefix_cache()
+        except Exception as exc:
+            log.exception("flushing the prefix cache failed")
+            self._hand_off(CacheFlushed(flush_id, 0, 0, error=str(exc) or type(exc).__name__))
+            return
+        self._publish_cache(time.monotonic())
+        self._hand_off(CacheFlushed(flush_id, freed, unpublished))
+
+    def _publish_cache(self, now: float) -> None:
+        """This turn's prefix-cache events and the stats after it, to the KV-event hub."""
+        if self._publish is not None:
+            events = self._engine.take_kv_events()
+            self._hand_off(CacheUpdate(events, self.stats, now, bool(self._in_flight)))
+
+    def _hand_off(self, record: Published) -> None:
+        if self._publish is None:
+            return
+        try:
+            self._publish(record)
+        except Exception:  # a broken subscriber side must not stop the engine
+            log.exception("publishing to the KV-event hub failed")
 
     def _abort(self, request_id: str) -> None:
         try:

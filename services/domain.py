@@ -40,6 +40,12 @@ class GenerateInput:
     priority: int = 0
     n: int = 1  # samples of the prompt (services/pipeline/samples.py); 1..PipelineConfig.max_n
     constraint: Constraint | None = None  # compiled by stage 1 into params.grammar
+    # Prefix-cache namespace: KV blocks are shared only between requests of the same salt
+    # and tenant (compute/core/prefix_cache.py cache_namespace); the tenant comes from the
+    # caller's credentials under --cache-isolation token
+    # (services/security/cache_isolation.py). None, None: the shared cache.
+    cache_salt: str | None = None
+    tenant: str | None = None
 
 
 PROMPT_FORMS = ("prompt", "token_ids", "chat")

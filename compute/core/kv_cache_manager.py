@@ -5,7 +5,9 @@ The scheduler asks: which prefix blocks can this waiting sequence reuse
 nothing, False when it cannot), publish its newly full blocks
 (``cache_full_blocks``), give everything back (``free``), move it to host
 memory and back (``swap_out`` / ``swap_in``), and start it from another running
-sequence's prompt (``fork``, n > 1). Pure bookkeeping, no tensors.
+sequence's prompt (``fork``, n > 1); operators may drop the prefix cache (``flush``).
+Pure bookkeeping, no tensors. What the prefix cache publishes and forgets is recorded
+in ``kv_events`` for KV-event subscribers.
 
 A fork shares only full blocks, which neither sequence ever writes again (both write
 at positions past them); the block its own writes land in is a fresh copy.
@@ -23,6 +25,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 from compute.core.block_allocator import BlockAllocator
+from compute.core.kv_events import KvEventLog
 from compute.core.prefix_cache import BlockKey, PrefixCache, block_key
 from compute.core.sequence import Sequence
 
@@ -41,7 +44,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.host_allocator = BlockAllocator(num_host_blocks)
-        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        # What the prefix cache publishes and forgets; off until a consumer turns it on
+        # (without prefix caching it stays empty).
+        self.kv_events = KvEventLog(enabled=False)
+        self.prefix_cache = PrefixCache(self.kv_events) if enable_prefix_caching else None
         self._keys: dict[str, list[BlockKey]] = {}  # per request: keys of its full blocks
         self._num_registered: dict[str, int] = {}  # per request: leading blocks already cached
         self._host_tables: dict[str, list[int]] = {}  # per swapped request: its host blocks
@@ -159,9 +165,23 @@ class KVCacheManager:
         if num_full <= start:
             return
         keys = self._block_keys(seq, num_full)
+        size, salt = self.block_size, seq.cache_salt
         for i in range(start, num_full):
-            self.prefix_cache.register(keys[i], seq.block_ids[i])
+            tokens = seq.token_ids_slice(i * size, (i + 1) * size)
+            parent = keys[i - 1] if i else None
+            self.prefix_cache.register(keys[i], seq.block_ids[i], parent, tokens, salt)
         self._num_registered[seq.request_id] = num_full
+
+    def flush(self) -> tuple[int, int]:
+        """Drop the prefix cache: cached blocks no sequence holds are freed now, those that
+        sequences hold are unpublished (no later prompt reuses them; freed with their last
+        holder). Returns (blocks freed, blocks unpublished); each one's removal is an event."""
+        if self.prefix_cache is None:
+            return 0, 0
+        parked, unpublished = self.prefix_cache.flush()
+        for block_id in parked:
+            self.allocator.free(block_id)  # the cache's reference was the only one
+        return len(parked), unpublished
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the tail blocks beyond what ``num_tokens`` tokens need: the slots of a
@@ -233,7 +253,7 @@ class KVCacheManager:
         while len(keys) < num_blocks:
             i = len(keys)
             tokens = seq.token_ids_slice(i * size, (i + 1) * size)
-            keys.append(block_key(keys[-1] if keys else None, tokens))
+            keys.append(block_key(keys[-1] if keys else None, tokens, seq.cache_salt))
         return keys[:num_blocks]
 
     def _is_parked(self, block_id: int) -> bool:

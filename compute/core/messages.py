@@ -3,9 +3,12 @@
 Stage 1 (tokenize) -> stage 2 (step loop): ``AddRequest``; the facade and stage 3 ->
 stage 2: ``Abort``; stage 2 -> stage 3: ``StepOutputs`` (one per engine step, carrying the
 scheduler's ``RequestOutput`` records as they were made, and an ``EngineStats`` snapshot)
-and ``RequestFailed``; ``Shutdown`` ends a stage's loop. Records are frozen and hold ints,
-strs, floats, enums and tuples of them (plus the frozen ``SamplingParams``): never tensors,
-never asyncio objects, so a stage could move to another process unchanged. One exception:
+and ``RequestFailed``; ``Shutdown`` ends a stage's loop. Operations: the facade -> stage 2
+``FlushPrefixCache``; stage 2 -> the KV-event hub (services/pipeline/kv_event_hub.py)
+``CacheUpdate`` (each step's prefix-cache events and stats) and ``CacheFlushed``.
+Records are frozen and hold ints, strs, floats, enums and tuples of them (plus the
+frozen ``SamplingParams``): never tensors, never asyncio objects, so a stage could move to
+another process unchanged. One exception:
 a constrained request's ``SamplingParams.grammar`` holds llguidance's compiled matcher (a
 native object, shared read-only by the requests of the same text), which a move to another
 process would have to send as its grammar text and compile again.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from compute.core.kv_events import KvEvent
 from compute.core.sampling_params import SamplingParams
 
 
@@ -76,6 +80,9 @@ class EngineStats:
     # and those admitted as any other request (it was gone or not running by then).
     samples_forked: int = 0
     samples_not_forked: int = 0
+    # Prompt tokens of the live requests that have produced no output token yet: the
+    # prefill work in hand (a gateway allows for it before calling the engine silent).
+    prefill_pending_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +97,9 @@ class AddRequest:
     # n > 1 (services/pipeline/samples.py): the request of the same prompt whose prompt KV
     # blocks this one shares if that one is still running then (compute/core/scheduler.py).
     fork_of: str | None = None
+    # The request's prefix-cache namespace (a tenant's): it shares KV blocks only with
+    # requests of the same salt (compute/core/prefix_cache.py). None: the shared cache.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +108,35 @@ class Abort:
 
     request_id: str
     reason: str  # "cancelled", "stop_string", ... (for logs only)
+
+
+@dataclass(frozen=True, slots=True)
+class FlushPrefixCache:
+    """Drop the prefix cache (an operator's FlushCache); answered by ``CacheFlushed``."""
+
+    flush_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFlushed:
+    """The answer to ``FlushPrefixCache``: blocks freed, and blocks that running requests
+    hold, unpublished now and freed when they end."""
+
+    flush_id: int
+    num_freed: int
+    num_unpublished: int
+    error: str = ""  # the flush failed (an engine bug): why; nothing was dropped then
+
+
+@dataclass(frozen=True, slots=True)
+class CacheUpdate:
+    """Stage 2 -> the KV-event hub, once per step-loop turn: the prefix-cache events of the
+    turn (stored and removed blocks, in order) and the engine's stats right after it."""
+
+    events: tuple[KvEvent, ...]
+    stats: EngineStats
+    time: float  # time.monotonic() when the turn ended
+    busy: bool  # requests were in the engine after the turn (the engine steps for them)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,9 @@ class Sequence:
     arrival_time: float
     priority: int = 0  # lower runs first under the "priority" policy
     fork_of: str | None = None  # n > 1: the sequence of the same prompt it may fork from
+    # A tenant's prefix-cache namespace, folded into its first block's key: prompts of
+    # different salts never share KV blocks (compute/core/prefix_cache.py).
+    cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     # Prompt tokens it did not compute at its first admission: prefix-cache hits, or all

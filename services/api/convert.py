@@ -69,6 +69,7 @@ def to_input(request: pb.GenerateRequest, request_id: str) -> GenerateInput:
         priority=request.priority,
         n=request.n or 1,
         constraint=constraint(request),
+        cache_salt=request.cache_salt or None,
     )
 
 

@@ -10,6 +10,7 @@ generator at once, which aborts the request in the engine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from functools import partial
@@ -30,6 +31,7 @@ from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
 from services.pipeline.calls import counting_rejection, logged
 from services.pipeline.fan_in import fan_in
+from services.security.cache_isolation import SHARED, CacheIsolation
 from services.telemetry.metrics import NO_METRICS, Metrics
 from services.telemetry.trace_context import LogTracer
 
@@ -50,12 +52,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         max_batch_requests: int = DEFAULT_MAX_BATCH_REQUESTS,
         metrics: Metrics = NO_METRICS,
         tracer: RequestTracer | None = None,  # None: the caller's trace ids in the logs only
+        isolation: CacheIsolation = SHARED,  # whose prefix cache a call uses
     ) -> None:
         self._pipeline = pipeline
         self._limits = limits
         self._max_batch_requests = max_batch_requests
         self._metrics = metrics
         self._tracer = tracer or LogTracer()
+        self._isolation = isolation
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -69,6 +73,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 check_input(request, self._limits)  # names the field, so first
                 check_request_size(request, self._limits)
                 inp = convert.to_input(request, request_id)
+            inp = self._in_tenant(inp, context.invocation_metadata())
             async for event in self._events(inp, trace):
                 yield pb.GenerateResponse(request_id=inp.request_id, **convert.event_fields(event))
 
@@ -78,6 +83,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         with counting_rejection(self._metrics):
             inputs = self._batch_inputs(request, _call_request_id(context, fallback=""))
         metadata = context.invocation_metadata()
+        inputs = [self._in_tenant(inp, metadata) for inp in inputs]
         streams = {inp.request_id: partial(self._traced, inp, metadata) for inp in inputs}
         async for i, event in fan_in(streams, _in_batch):
             yield pb.GenerateBatchResponse(
@@ -100,6 +106,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
         return convert.model_info_to_pb(self._pipeline.model_info())
+
+    def _in_tenant(self, inp: GenerateInput, metadata: Iterable | None) -> GenerateInput:
+        tenant = self._isolation.tenant(metadata)
+        return dataclasses.replace(inp, tenant=tenant) if tenant else inp
 
     async def _events(self, inp: GenerateInput, trace: RequestTrace) -> AsyncIterator:
         """The pipeline's events for one request, logged, with errors naming request fields

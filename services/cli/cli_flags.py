@@ -88,6 +88,18 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-batch-requests", "server.max_batch_requests", "most requests per batch call", int),
     Flag("--tokenizer-dir", "server.tokenizer_dir",
          "where to write the tokenizer that gateways load (empty = a temporary directory)"),
+    Flag("--cache-isolation", "server.cache_isolation",
+         "whose prefix cache a request runs in: none = shared (a request's cache_salt, or "
+         "the worker protocol's x-cache-salt metadata, opts out), token = the caller's "
+         "bearer token's alone, so tenants never see each other's cached prompts (needs "
+         "--auth-token-file)", choices=("none", "token")),
+    Flag("--kv-events", "server.kv_events",
+         "stream the prefix cache's stored and evicted blocks and the engine's load to "
+         "gateways (worker protocol SubscribeKvEvents: SMG's event-driven cache-aware "
+         "routing, pushed load, wedge detection); off = UNIMPLEMENTED", _bool),
+    Flag("--profile-dir", "server.profile_dir",
+         "directory where the worker protocol's StartProfile/StopProfile write profiles of "
+         "the step loop and stages (sampled thread stacks); empty = profiling refused"),
     Flag("--max-connection-idle", "connection.max_connection_idle",
          "GOAWAY connections with no call open this long (0 = never)", float),
     Flag("--keepalive-time", "connection.keepalive_time",

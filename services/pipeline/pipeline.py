@@ -9,6 +9,10 @@ It wires the three stages (PPL.LLM style) around one engine:
 Admission is bounded (``max_pending``), so overload answers RESOURCE_EXHAUSTED instead
 of growing queues. A consumer that stops early (aclose, cancellation) sends an
 ``Abort`` to stage 2, which frees the request's KV blocks at its next step.
+
+Beside the stages, ``kv_events`` (services/pipeline/kv_event_hub.py) takes what stage 2
+reports of its prefix cache after every turn (stored and evicted blocks, stats) for the
+worker protocol's KV-event streams, and ``flush_cache`` drops that cache through stage 2.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from compute.core.errors import FieldError
-from compute.core.messages import Abort, AddRequest, EngineStats, Shutdown
+from compute.core.messages import (
+    Abort,
+    AddRequest,
+    CacheFlushed,
+    EngineStats,
+    FlushPrefixCache,
+    Shutdown,
+)
 from compute.sampling.grammar_compiler import GrammarCompiler
 from compute.step_loop import Inbound, StepLoop, run_step_loop
 from kernels.log import get_logger
@@ -39,7 +50,9 @@ from services.domain import (
     ResourceExhausted,
     Unavailable,
 )
+from services.pipeline.engine_load import EngineShape
 from services.pipeline.grammar_compile import GrammarConfig, GrammarStage
+from services.pipeline.kv_event_hub import KvEventHub
 from services.pipeline.output_stage import OutputStage
 from services.pipeline.request_state import RequestStream
 from services.pipeline.samples import Prepare, check_samples, generate_samples
@@ -48,6 +61,7 @@ from services.telemetry.metrics import NO_METRICS, Metrics
 
 if TYPE_CHECKING:  # the engine module pulls in torch and the model
     from compute.engine import Engine
+    from compute.tokenizer.tokenizer import Tokenizer
 
 log = get_logger(__name__)
 
@@ -143,8 +157,19 @@ class Pipeline:
         )
         self._grammars = GrammarStage(_grammar_compiler(engine), config.grammar, metrics)
         self._stage3 = OutputStage(engine.tokenizer, self._abort, metrics, config.output_workers)
+        self.kv_events = KvEventHub(
+            _shape(engine),
+            engine.stats(),
+            lambda: self._admission.count,
+            self._admission.active_since,
+            metrics,
+        )
         self._stage2 = StepLoop(
-            engine, self._inbox, self._stage3.submit, self._admission.active_since
+            engine,
+            self._inbox,
+            self._stage3.submit,
+            self._admission.active_since,
+            self.kv_events.publish,
         )
         self._ids = itertools.count()
         self._threads: list[threading.Thread] = []
@@ -255,6 +280,22 @@ class Pipeline:
         return self._stage2.stats
 
     @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The engine's tokenizer (None for dummy weights), as gateways must load it."""
+        return self._engine.tokenizer
+
+    async def flush_cache(self, timeout: float) -> CacheFlushed:
+        """Drop the prefix cache (through stage 2, between two steps); TimeoutError when
+        stage 2 does not answer within ``timeout`` seconds (a wedged engine)."""
+        if not self.healthy:
+            raise Unavailable("the server is not serving")
+
+        def submit(flush_id: int) -> None:
+            self._inbox.put(FlushPrefixCache(flush_id))
+
+        return await self.kv_events.flush(submit, timeout)
+
+    @property
     def healthy(self) -> bool:
         """Running, with a live step loop and output workers (False once one died: the
         server then stops)."""
@@ -304,6 +345,7 @@ class Pipeline:
             self._reject("unavailable")
             raise Unavailable("the server is not accepting requests")
         stream = RequestStream(asyncio.get_running_loop())
+        self.kv_events.attach(stream.loop)  # before the request's first cache event
         self._stage3.register(req, stream)
         self._inbox.put(req)
         return stream
@@ -321,6 +363,18 @@ class Pipeline:
 
     def _reject(self, reason: str) -> None:
         self._metrics.observe_rejected(reason)
+
+
+def _shape(engine: Engine) -> EngineShape:
+    """The engine's limits and memory, as load records report them."""
+    memory = getattr(engine, "memory", None) or {}  # compute/device/memory_report.py
+    weights, kv = memory.get("model_bytes"), memory.get("kv_cache_bytes")
+    return EngineShape(
+        max_running=engine.max_num_seqs,
+        token_capacity=engine.num_blocks * engine.block_size,
+        weight_bytes=sum(weights.values()) if weights else None,
+        kv_cache_bytes=sum(kv.values()) if kv else None,
+    )
 
 
 def _grammar_compiler(engine: Engine) -> GrammarCompiler | None:

@@ -20,6 +20,7 @@ import jinja2
 from compute.core.checks import RequestLimits, check_request
 from compute.core.errors import FieldError, capped
 from compute.core.messages import AddRequest
+from compute.core.prefix_cache import cache_namespace
 from compute.tokenizer.tokenizer import Tokenizer
 from services.domain import ChatMessage, GenerateInput, prompt_form
 
@@ -64,7 +65,8 @@ class TokenizeStage:
         if inp.params.stop and self._tokenizer is None:
             raise FieldError("stop", "stop strings need a model with a tokenizer")
         params = check_request(ids, inp.params, self._limits, field)
-        return AddRequest(request_id, tuple(ids), params, inp.priority, arrival)
+        salt = cache_namespace(inp.tenant, inp.cache_salt)
+        return AddRequest(request_id, tuple(ids), params, inp.priority, arrival, cache_salt=salt)
 
     def tokenize_now(
         self, prompt: str | None, chat: tuple[ChatMessage, ...] | None, add_generation_prompt: bool

@@ -36,6 +36,7 @@ from services.api.servicer import GenerationServicer
 from services.domain import Unavailable
 from services.gen.headrace.v1 import generation_pb2 as pb
 from services.gen.headrace.v1 import generation_pb2_grpc as pb_grpc
+from services.pipeline.thread_profiler import ThreadProfiler
 from services.rpc import Continuation
 from services.security.security import ServerSecurity
 from services.server.http_endpoint import start_http
@@ -125,6 +126,9 @@ class Server:
         self._server: grpc.aio.Server | None = None
         self.failed = asyncio.Event()  # set when a pipeline stage died: serve() then stops
         self._watch: asyncio.Task | None = None
+        # StartProfile/StopProfile write here; without --profile-dir they are refused.
+        profile_dir = self.config.profile_dir
+        self._profiler = ThreadProfiler(profile_dir) if profile_dir else None
 
     def serving(self) -> bool:
         """What every health answer reports: not draining, and a live pipeline."""
@@ -132,6 +136,9 @@ class Server:
 
     async def start(self) -> None:
         """Bind, start answering, report SERVING, and start the metrics endpoint."""
+        if self._profiler is not None:  # an unusable --profile-dir stops start-up
+            self._profiler.directory.mkdir(parents=True, exist_ok=True)
+        self._pipeline.kv_events.attach(asyncio.get_running_loop())
         self._server = self._grpc_server()
         self.port = self._security.bind(self._server, self.config.address)
         await self._server.start()
@@ -157,10 +164,19 @@ class Server:
             options=self.config.grpc_options(),  # message size, connection limits, keepalive
         )
         limits, batch = self.config.limits, self.config.max_batch_requests
-        api = GenerationServicer(self._pipeline, limits, batch, self._metrics, tracer)
+        api = GenerationServicer(
+            self._pipeline, limits, batch, self._metrics, tracer, self.config.isolation
+        )
         pb_grpc.add_GenerationServiceServicer_to_server(api, server)
         worker = WorkerServicer(
-            self._pipeline, self.tokenizer_path, self.serving, self._metrics, tracer
+            self._pipeline,
+            self.tokenizer_path,
+            self.serving,
+            self._metrics,
+            tracer,
+            isolation=self.config.isolation,
+            profiler=self._profiler,
+            kv_events=self.config.kv_events,
         )
         worker_grpc.add_VllmEngineServicer_to_server(worker, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.api.input_limits import DEFAULT_MAX_BATCH_REQUESTS, InputLimits
+from services.security.cache_isolation import CacheIsolation
 from services.security.security_config import SecurityConfig
 from services.server.connection_config import ConnectionConfig
 
@@ -34,6 +35,14 @@ class ServerConfig:
     # and spread over new replicas; 0 = never. Streams in flight then get the grace.
     max_connection_age: float = 0.0
     max_connection_age_grace: float = 300.0
+    # Whose prefix cache a request runs in: "none" (shared, unless it names a cache_salt) or
+    # "token" (its bearer token's tenant alone; needs --auth-token-file).
+    cache_isolation: str = "none"
+    # Where StartProfile/StopProfile write profiles of the step loop and stages; "" = off.
+    profile_dir: str = ""
+    # Stream the prefix cache's events and the engine's load (SubscribeKvEvents); off: that
+    # call answers UNIMPLEMENTED and gateways fall back to their own guesses and polls.
+    kv_events: bool = True
     limits: InputLimits = field(default_factory=InputLimits)  # sizes checked before tokenizing
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)  # idle, keepalive
     security: SecurityConfig = field(default_factory=SecurityConfig)  # TLS, mTLS, token auth
@@ -47,6 +56,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         if self.max_batch_requests <= 0:
             raise ValueError(f"max_batch_requests must be positive, got {self.max_batch_requests}")
+        CacheIsolation(self.cache_isolation)  # ValueError naming the choices
+        if self.cache_isolation == "token" and not self.security.auth:
+            raise ValueError("--cache-isolation token needs --auth-token-file (tenants are tokens)")
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """The grpc server's options: message size, connection age, idle, keepalive."""
@@ -61,6 +73,10 @@ class ServerConfig:
                 ("grpc.max_connection_age_grace_ms", int(self.max_connection_age_grace * 1000)),
             ]
         return options
+
+    @property
+    def isolation(self) -> CacheIsolation:
+        return CacheIsolation(self.cache_isolation)
 
     @property
     def address(self) -> str:

@@ -120,6 +120,23 @@ _METRICS = (
     _Spec("grammar_mask", Histogram, "headrace_grammar_mask_seconds",
           "Seconds per engine step computing the grammar masks of its constrained rows",
           _STEP_BUCKETS),
+    # The worker protocol's KV-event stream (services/pipeline/kv_event_hub.py).
+    _Spec("kv_event_subscribers", Gauge, "headrace_kv_event_subscribers",
+          "KV-event streams open (SubscribeKvEvents)"),
+    _Spec("kv_events_published", Counter, "headrace_kv_events_published_total",
+          "Prefix-cache events the block manager emitted (kind: stored, removed)",
+          labels=("kind",)),
+    _Spec("kv_event_batches_sent", Counter, "headrace_kv_event_batches_sent_total",
+          "KV-event batches sent over all streams (kind: events, snapshot, load_only)",
+          labels=("kind",)),
+    _Spec("kv_events_sent", Counter, "headrace_kv_events_sent_total",
+          "KV events sent over all streams (snapshots included)"),
+    _Spec("kv_event_subscribers_dropped", Counter, "headrace_kv_event_subscribers_dropped_total",
+          "KV-event subscribers dropped for falling behind (their queue was full)",
+          labels=("reason",)),
+    _Spec("kv_event_resyncs", Counter, "headrace_kv_event_resyncs_total",
+          "KV-event subscribers sent the whole cache state (reason: snapshot, a fresh "
+          "subscription) or told to resync (cursor_expired: OUT_OF_RANGE)", labels=("reason",)),
 )  # fmt: skip
 
 # EngineStats cumulative fields mirrored as counters: field -> metric attribute.
@@ -212,6 +229,23 @@ class Metrics:
 
     def observe_rejected(self, reason: str) -> None:
         self.requests_rejected.labels(reason=reason).inc()
+
+    def observe_kv_subscribers(self, count: int) -> None:
+        self.kv_event_subscribers.set(count)
+
+    def observe_kv_published(self, stored: int, removed: int) -> None:
+        self.kv_events_published.labels(kind="stored").inc(stored)
+        self.kv_events_published.labels(kind="removed").inc(removed)
+
+    def observe_kv_batch_sent(self, kind: str, num_events: int) -> None:
+        self.kv_event_batches_sent.labels(kind=kind).inc()
+        self.kv_events_sent.inc(num_events)
+
+    def observe_kv_subscriber_dropped(self, reason: str) -> None:
+        self.kv_event_subscribers_dropped.labels(reason=reason).inc()
+
+    def observe_kv_resync(self, reason: str) -> None:
+        self.kv_event_resyncs.labels(reason=reason).inc()
 
     def bind_step_loop_idle_ratio(self, fraction: Callable[[], float]) -> None:
         """Evaluate the step loop's idle fraction at scrape time."""

@@ -7,17 +7,26 @@ generator), or the gateway calls ``Abort(request_ids)`` -- SMG does that when it
 HTTP client goes away and keeps reading the stream, so Abort must end the stream
 itself: it stops the pipeline's generator (freeing the KV at the next step) and
 sends a final GenerateComplete with finish_reason "abort".
+
+The rest of the protocol: SubscribeKvEvents streams the prefix cache's stored and evicted
+blocks with the engine's load (services/pipeline/kv_event_hub.py, kv_subscription.py;
+services/worker/kv_event_convert.py), GetTokenizer the files a gateway tokenizes with
+(services/worker/tokenizer_bundle.py), FlushCache drops the prefix cache through the step
+loop, StartProfile/StopProfile sample the serving threads into ``--profile-dir``
+(services/pipeline/thread_profiler.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import grpc
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
@@ -25,9 +34,12 @@ from compute.core.errors import FieldError
 from kernels.log import get_logger
 from services.domain import MAX_REQUEST_ID_CHARS, Chunk, Complete, GenerateInput, RequestError
 from services.pipeline.calls import counting_rejection, logged
+from services.pipeline.thread_profiler import ThreadProfiler
+from services.security.cache_isolation import SHARED, CacheIsolation, metadata_salt
 from services.telemetry.metrics import NO_METRICS, Metrics
 from services.telemetry.trace_context import LogTracer
 from services.worker import convert
+from services.worker.operations import WorkerOperations
 
 if TYPE_CHECKING:
     from services.pipeline.pipeline import Pipeline
@@ -35,9 +47,9 @@ if TYPE_CHECKING:
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # RPCs of the protocol headrace has no counterpart for; gateways treat UNIMPLEMENTED as
-# "feature absent" (SMG: no KV events -> its own radix-tree approximation for cache_aware).
-UNARY_UNIMPLEMENTED = ("Embed", "FlushCache", "StartProfile", "StopProfile")
-STREAM_UNIMPLEMENTED = ("GetTokenizer", "SubscribeKvEvents")
+# "feature absent" (as SMG does for SubscribeKvEvents under --no-kv-events).
+UNARY_UNIMPLEMENTED = ("Embed",)
+STREAM_UNIMPLEMENTED = ()
 
 
 class Unimplemented(RequestError):
@@ -57,12 +69,18 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         serving: Callable[[], bool] = lambda: True,
         metrics: Metrics = NO_METRICS,
         tracer: RequestTracer | None = None,  # None: the caller's trace ids in the logs only
+        isolation: CacheIsolation = SHARED,  # whose prefix cache a call's request uses
+        profiler: ThreadProfiler | None = None,  # --profile-dir; None: profiling refused
+        kv_events: bool = True,  # --no-kv-events: SubscribeKvEvents is UNIMPLEMENTED
     ) -> None:
         self._pipeline = pipeline
         self._tokenizer_path = tokenizer_path
         self._serving = serving
         self._metrics = metrics
         self._tracer = tracer or LogTracer()
+        self._isolation = isolation
+        self._operations = WorkerOperations(pipeline, metrics, profiler)
+        self._kv_events = kv_events
         self._aborts: dict[str, asyncio.Event] = {}
         self._started = time.time()
         self._last_receive = 0.0
@@ -74,7 +92,7 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         request_id = request.request_id[:MAX_REQUEST_ID_CHARS]
         # The request's scope (trace ids in its log lines, its span) covers validation too.
         with self._tracer.request(request_id, context.invocation_metadata()) as trace:
-            inp = self._checked_input(request)
+            inp = self._in_namespace(self._checked_input(request), context)
             aborted = self._aborts[inp.request_id] = asyncio.Event()
             try:
                 async for response in self._responses(inp, request.stream, aborted, trace):
@@ -88,6 +106,13 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         if inp.request_id in self._aborts:
             raise FieldError("request_id", f"{inp.request_id!r} is already in flight")
         return inp
+
+    def _in_namespace(self, inp: GenerateInput, context: grpc.aio.ServicerContext) -> GenerateInput:
+        """The protocol has no cache-salt field: the call's ``x-cache-salt`` metadata names
+        one, and the caller's token the tenant under --cache-isolation token."""
+        metadata = context.invocation_metadata()
+        salt, tenant = metadata_salt(metadata), self._isolation.tenant(metadata)
+        return dataclasses.replace(inp, cache_salt=salt, tenant=tenant) if salt or tenant else inp
 
     async def _responses(
         self, inp: GenerateInput, stream: bool, aborted: asyncio.Event, trace: RequestTrace
@@ -194,6 +219,46 @@ class WorkerServicer(pb_grpc.VllmEngineServicer):
         return pb.GetLoadsResponse(
             timestamp=stamp, version="headrace", dp_rank_count=1, loads=[load]
         )
+
+    # -- KV events, tokenizer, cache flush, profiling (services/worker/operations.py) -----
+
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        if not self._kv_events:  # gateways take UNIMPLEMENTED for "no events here"
+            raise Unimplemented("KV events are off on this server (--no-kv-events)")
+        # A resume point outside the history is refused before any header goes out: a
+        # gateway reads only a call that fails at once as "resync" (OUT_OF_RANGE).
+        subscription = self._operations.open_kv_events(request)
+        try:
+            await context.send_initial_metadata(())  # gateways wait for the headers first
+            batches = self._operations.kv_event_batches(subscription)
+            async with contextlib.aclosing(batches):
+                async for batch in batches:
+                    yield batch
+        finally:
+            subscription.close()
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        for chunk in await self._operations.tokenizer_chunks():
+            yield chunk
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
+        return await self._operations.flush_cache(request)
+
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        return await self._operations.start_profile(request)
+
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        return await self._operations.stop_profile()
 
 
 def _unimplemented(name: str, stream: bool):

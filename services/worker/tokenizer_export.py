@@ -19,11 +19,9 @@ if TYPE_CHECKING:
 FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def export_tokenizer(tokenizer: Tokenizer, directory: str | Path, max_model_len: int) -> Path:
-    """Write FILES into ``directory`` (created); each file is replaced atomically."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    _atomic(out / "tokenizer.json", tokenizer.hf.to_str())
+def tokenizer_files(tokenizer: Tokenizer, max_model_len: int) -> dict[str, str]:
+    """The text of each of FILES: what ``export_tokenizer`` writes and what GetTokenizer
+    zips (services/worker/tokenizer_bundle.py)."""
     specials = {k: v for k, v in tokenizer._template_tokens.items() if v}  # bos/eos/unk/pad
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -32,11 +30,22 @@ def export_tokenizer(tokenizer: Tokenizer, directory: str | Path, max_model_len:
         **specials,
         "chat_template": tokenizer.chat_template,
     }
-    _atomic(out / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False))
     generation = {"eos_token_id": list(tokenizer.eos_token_ids)}
     if tokenizer.bos_token_id is not None:
         generation["bos_token_id"] = tokenizer.bos_token_id
-    _atomic(out / "generation_config.json", json.dumps(generation, indent=2))
+    return {
+        "tokenizer.json": tokenizer.hf.to_str(),
+        "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
+        "generation_config.json": json.dumps(generation, indent=2),
+    }
+
+
+def export_tokenizer(tokenizer: Tokenizer, directory: str | Path, max_model_len: int) -> Path:
+    """Write FILES into ``directory`` (created); each file is replaced atomically."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in tokenizer_files(tokenizer, max_model_len).items():
+        _atomic(out / name, text)
     return out
 
 

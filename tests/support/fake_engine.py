@@ -87,6 +87,8 @@ class FakeEngine:
         self.added: list[str] = []
         self.params: dict[str, SamplingParams] = {}  # every request's, as it reached the engine
         self.forks: dict[str, str | None] = {}  # every request's fork_of
+        self.salts: dict[str, str | None] = {}  # every request's cache_salt
+        self.flushes = 0  # flush_prefix_cache calls (it has no cache: nothing to drop)
         self.aborted: list[str] = []
         self.num_steps = 0
         self.last_step_timing: StepTiming | None = None
@@ -102,6 +104,7 @@ class FakeEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         fork_of: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if self.refuse_token is not None and self.refuse_token in prompt_token_ids:
             raise FieldError("prompt", "the fake engine refuses this prompt")
@@ -110,6 +113,7 @@ class FakeEngine:
             self.added.append(request_id)
             self.params[request_id] = params
             self.forks[request_id] = fork_of
+            self.salts[request_id] = cache_salt
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -157,6 +161,16 @@ class FakeEngine:
             num_cached_tokens=0,
             num_output_tokens=seq.num_output,
         )
+
+    def record_kv_events(self, on: bool = True) -> None:
+        """No prefix cache, so no KV events (the real engine's are tested on dummy weights)."""
+
+    def take_kv_events(self) -> tuple:
+        return ()
+
+    def flush_prefix_cache(self) -> tuple[int, int]:
+        self.flushes += 1
+        return 0, 0
 
     def take_failed(self) -> list[tuple[str, str]]:
         return []  # the fake fails whole steps (poison_token), never one request
